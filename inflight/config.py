@@ -1,0 +1,125 @@
+"""Every engine knob: its default, its validation, its CLI flag. Torch-free.
+
+Flag names follow vLLM's engine arguments (``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--block-size``, ``--max-model-len``, ``--kv-cache-memory-bytes``, ``--dtype``) so command
+lines migrate unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from inflight.core.policies import BATCHING_POLICIES
+
+DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+# Share of available RAM (CPU) or free device memory (CUDA) given to the KV cache when
+# neither ``kv_cache_memory_bytes`` nor ``num_kv_blocks`` is set.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
+# Cap on that default, so a big host does not pin tens of GiB for a small model.
+DEFAULT_KV_CACHE_MEMORY_CAP = 4 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Validated engine settings.
+
+    Attributes:
+        model: a ``.gguf`` file or HF model directory; None loads the bundled SmolLM2-135M.
+        dtype: weights/activations: ``float32``, ``bfloat16`` or ``auto``.
+        kv_cache_dtype: KV cache element type; ``auto`` follows ``dtype``.
+        device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
+        block_size: tokens per KV block.
+        num_kv_blocks: KV pool size in blocks; overrides ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: KV pool size in bytes (None: a share of free memory, see
+            ``DEFAULT_KV_CACHE_MEMORY_FRACTION``).
+        gpu_memory_utilization: on CUDA without an explicit size, the share of free device
+            memory for the KV cache.
+        max_model_len: longest sequence (prompt + output tokens); None: the model's.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        enable_chunked_prefill: split prompts longer than the remaining budget.
+        batching_policy: ``continuous``, ``static`` or ``dynamic``.
+        max_queue_delay: dynamic policy: seconds the oldest request may wait for a batch.
+        num_threads: torch intra-op threads on CPU (None: torch's default).
+        seed: seed of the default generator for unseeded sampling.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    batching_policy: str = "continuous"
+    max_queue_delay: float = 0.05
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+
+        check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+              f"must be one of {KV_CACHE_DTYPES}")
+        check(self.device in DEVICES, "device", f"must be one of {DEVICES}")
+        check(self.block_size >= 1, "block_size", "must be >= 1")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              "kv_cache_memory_bytes", "must be > 0")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        check(self.batching_policy in BATCHING_POLICIES, "batching_policy",
+              f"must be one of {BATCHING_POLICIES}")
+        check(self.max_queue_delay >= 0, "max_queue_delay", "must be >= 0 seconds")
+        check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one ``--flag`` per field (vLLM's spelling) to ``parser``."""
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="a .gguf file or HF model directory "
+                       "(default: the bundled SmolLM2-135M-Instruct GGUF)")
+        g.add_argument("--dtype", default="auto", choices=DTYPES)
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+        g.add_argument("--device", default="auto", choices=DEVICES)
+        g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        g.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV pool size in blocks (overrides --kv-cache-memory-bytes)")
+        g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
+                       help="KV pool size in bytes (suffixes K, M, G allowed)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=True)
+        g.add_argument("--batching-policy", default="continuous", choices=BATCHING_POLICIES)
+        g.add_argument("--max-queue-delay", type=float, default=0.05,
+                       help="dynamic policy: seconds the oldest request waits for a batch")
+        g.add_argument("--num-threads", type=int, default=None)
+        g.add_argument("--seed", type=int, default=0)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)

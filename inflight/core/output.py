@@ -1,0 +1,57 @@
+"""``SchedulerOutput``: the only contract between the scheduler and the model runner
+(as vLLM v1's vllm/v1/core/sched/output.py). Plain data, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inflight.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request (read-only for the runner and sampler).
+        token_ids: ids of the tokens to compute this step (a prompt chunk, or the last
+            sampled token for a decode).
+        num_computed_tokens: tokens already in the KV cache before this step; the first
+            new token sits at this position.
+        block_table: block ids covering ``num_computed_tokens + len(token_ids)`` tokens.
+        samples: the step completes the request's known tokens, so a token is sampled;
+            False for a partial prefill chunk.
+    """
+
+    request: Request
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    samples: bool
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.num_computed_tokens > 0
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs in one step.
+
+    Attributes:
+        scheduled: requests given tokens this step, in scheduling order.
+        preempted: requests preempted (blocks freed, back to waiting) during scheduling.
+        num_batched_tokens: total tokens scheduled (<= ``max_num_batched_tokens``).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,166 @@
+"""Iteration-level scheduler over a paged KV cache. Torch-free.
+
+Each step hands out a token budget so every request's ``num_computed_tokens`` catches up
+with its ``num_tokens`` (vLLM v1's model, vllm/v1/core/sched/scheduler.py): a prompt, a
+chunk of one, or one decode token are the same thing with different counts, so chunked
+prefill and mixed prefill/decode steps need no separate phases.
+
+One step (see DESIGN.md):
+  1. Running requests, oldest first, get the tokens they need (capped by the budget). When
+     the pool lacks a block, the newest running request is preempted (blocks freed, back
+     to the head of the waiting queue, recomputed later) until the allocation fits.
+  2. Waiting requests join, in order, while the batching policy allows, budget and
+     ``max_num_seqs`` remain and their KV blocks fit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from inflight.config import EngineConfig
+from inflight.core.kv_cache import KVCacheManager
+from inflight.core.output import ScheduledRequest, SchedulerOutput
+from inflight.core.policies import can_admit
+from inflight.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Args:
+        config: the engine's knobs (budget, ``max_num_seqs``, policy, ...).
+        kv_cache: the block manager requests are admitted against.
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        # Admission keeps a few blocks spare so a freshly admitted request is not preempted
+        # by the next decode step's block (vLLM's watermark, 1% of the pool).
+        self.watermark_blocks = int(0.01 * kv_cache.num_blocks)
+
+    # --- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End ``request`` (stop, length or abort) and free its blocks at once."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --- one step -----------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Plan one step; reserves KV slots and advances ``num_computed_tokens``.
+
+        Args:
+            now: the clock for the dynamic policy's queue delay (``time.monotonic()``).
+        """
+        now = time.monotonic() if now is None else now
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget, now)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_tokens_to_schedule(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv_cache.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget
+            self._add_scheduled(out, req, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        cfg = self.config
+        # A static/dynamic batch is formed in one step, even past this step's token
+        # budget (members then prefill over the next steps); nothing joins it afterwards.
+        is_batch_policy = cfg.batching_policy != "continuous"
+        launching = False
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            if budget <= 0 and not launching:
+                break
+            if not can_admit(cfg.batching_policy, self.running, self.waiting,
+                             max_num_seqs=cfg.max_num_seqs, max_queue_delay=cfg.max_queue_delay,
+                             now=now, launching=launching):
+                break
+            req = self.waiting[0]
+            n = self._num_tokens_to_schedule(req, budget)
+            if n == 0 and not is_batch_policy:
+                break
+            # Admit only if the whole known sequence fits beside the watermark: admitting a
+            # prompt that cannot finish its prefill just forces a preemption later.
+            whole = self.kv_cache.num_new_blocks_needed(req, req.num_uncomputed_tokens)
+            if whole > self.kv_cache.num_free_blocks - self.watermark_blocks:
+                if whole > self.kv_cache.num_free_blocks or self.running:
+                    break
+            if not self.kv_cache.allocate(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            launching = is_batch_policy
+            if n:
+                self._add_scheduled(out, req, n)
+                budget -= n
+
+    def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
+        n = min(req.num_uncomputed_tokens, budget)
+        if n < req.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+            return 0
+        return n
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            request=req,
+            token_ids=req.token_ids_slice(start, start + n),
+            num_computed_tokens=start,
+            block_table=self.kv_cache.get_block_table(req.request_id),
+            samples=start + n == req.num_tokens,
+        ))
+        out.num_batched_tokens += n
+        req.num_computed_tokens += n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute preemption: free the blocks, requeue at the head, start over later."""
+        self.kv_cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)

@@ -1,0 +1,3 @@
+from inflight.engine.engine import Engine, EngineStats
+
+__all__ = ["Engine", "EngineStats"]

@@ -1,0 +1,106 @@
+"""Offline inference: ``LLM(...).generate(prompts, sampling_params)``, vLLM's API shape."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from inflight.config import EngineConfig
+from inflight.engine import Engine
+from inflight.outputs import RequestOutput
+from inflight.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A thin loop over ``Engine``: add every prompt, step until all finish.
+
+    Args:
+        model: a ``.gguf`` file or HF model directory; None loads the bundled
+            SmolLM2-135M-Instruct GGUF.
+        **engine_args: any ``EngineConfig`` field (``max_num_seqs``, ``block_size``, ...).
+
+    Raises:
+        ValueError: an invalid engine argument (the message names it).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for ``prompts``.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            sampling_params: one for all prompts or one per prompt (default greedy-free
+                ``SamplingParams()``: temperature 1, 16 tokens, as vLLM).
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One ``RequestOutput`` per prompt, in input order.
+
+        Raises:
+            ValueError: a bad prompt (empty, too long) or mismatched parameter count; no
+                request is left queued.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            self.engine.step()  # collect the aborted outputs so nothing lingers
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat
+        template. Raises ``ValueError`` for a model without a template or bad messages."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                              add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts

@@ -1,0 +1,144 @@
+"""Paged attention over a block-structured KV cache, in plain PyTorch.
+
+Follows PagedAttention (Kwon et al., SOSP 2023): each layer's cache is one preallocated
+tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (keys, values); a request's
+tokens live in the blocks its block table names, token ``p`` at slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+The step's tokens arrive flattened, decodes first (one query token each), then prefill
+chunks (one or more tokens each, with ``num_computed`` tokens already cached before them)::
+
+    tokens:   [ d0 d1 ... d(B-1) | p0 p0 p0 p0 | p1 p1 ... ]
+               decode rows         prefill chunk  prefill chunk
+                                   q_start..q_end
+
+Decodes attend in one batched call over their gathered blocks; each prefill chunk attends
+causally, offset by what it already has cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One request's chunk of new tokens in the flattened batch.
+
+    Attributes:
+        q_start, q_end: rows ``[q_start, q_end)`` of the flattened batch (tokens).
+        num_computed: tokens of this request already in the KV cache before the chunk.
+        block_table: ``[num_blocks]`` int64 block ids covering ``num_computed + chunk`` tokens.
+    """
+
+    q_start: int
+    q_end: int
+    num_computed: int
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V go and what each query attends to, for one step.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64, cache slot of every new token.
+        num_decodes: the first ``num_decodes`` rows are single-token decodes.
+        decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0.
+        decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
+        prefills: the prefill chunks, in row order after the decodes.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+    _, num_blocks, block_size, h, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, h, d)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attention for one layer over the paged cache (``k``/``v`` already written).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` queries, RoPE applied.
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` the step's new keys/values (used
+            directly for prefill chunks with nothing cached before them).
+        kv_cache: this layer's cache, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        meta: the step's ``AttentionMetadata``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads * head_dim]`` in ``q``'s dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        nd = meta.num_decodes
+        out[:nd] = _decode_attention(q[:nd], kv_cache, meta.decode_block_tables,
+                                     meta.decode_seq_lens, scale)
+    for chunk in meta.prefills:
+        rows = slice(chunk.q_start, chunk.q_end)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, scale)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _gather_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the blocks in ``block_table`` (``[..., M]``) as
+    ``[..., M * block_size, num_kv_heads, head_dim]`` each."""
+    _, _, block_size, h, d = kv_cache.shape
+    kv = kv_cache[:, block_table]  # [2, ..., M, block_size, h, d]
+    lead = block_table.shape[:-1]
+    kv = kv.reshape(2, *lead, block_table.shape[-1] * block_size, h, d)
+    return kv[0], kv[1]
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    b, num_heads, d = q.shape
+    k, v = _gather_blocks(kv_cache, block_tables)  # [B, L, Hkv, D]
+    h_kv = k.shape[2]
+    group = num_heads // h_kv
+    # Query heads sharing a KV head become that head's "query rows", so grouped-query
+    # attention needs no repeated K/V: q [B, Hkv, G, D] against k [B, Hkv, L, D].
+    qg = q.view(b, h_kv, group, d)
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    o = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(b, num_heads, d)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    t, num_heads, d = q.shape
+    if chunk.num_computed == 0:
+        keys, values = k, v
+        mask, causal = None, True
+    else:
+        keys, values = _gather_blocks(kv_cache, chunk.block_table)
+        total = chunk.num_computed + t
+        keys, values = keys[:total], values[:total]
+        # Query i sits at position num_computed + i and sees keys 0..num_computed + i.
+        q_pos = torch.arange(chunk.num_computed, total, device=q.device)
+        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+        causal = False
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

@@ -1,0 +1,231 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral without sliding window) and
+Qwen2 (Q/K/V bias, tied embeddings), over a paged KV cache.
+
+References: Touvron et al., "Llama 2" (2023); HF transformers ``modeling_llama.py`` and
+``modeling_qwen2.py`` (the numerics these tests compare against: RMSNorm in float32,
+rotate-half RoPE, SiLU-gated MLP); ``modeling_rope_utils.py`` for llama3 RoPE scaling.
+
+All non-attention work runs on one flattened ``[num_tokens, hidden]`` tensor for the whole
+step (selective batching, Orca OSDI 2022); attention is per request over its blocks
+(``inflight.model.attention``). Q/K/V and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
+from inflight.model.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` float32, with the config's scaling.
+
+    Raises:
+        ValueError: an unsupported ``rope_scaling`` type.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if freq_factors is not None:  # GGUF stores llama3 scaling as per-dimension divisors
+        return (inv_freq / freq_factors.double()).float()
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    else:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
+    return inv_freq.float()
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, heads, head_dim]``; ``cos``/``sin`` ``[T, 1, head_dim]`` in x's dtype."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack and LM head.
+
+    Args:
+        config: the architecture.
+        dtype: parameter and activation dtype (``torch.float32`` or ``torch.bfloat16``).
+        device: where parameters live.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.device = torch.device(device)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights (``inflight.model.loader``), fusing Q/K/V and gate/up.
+
+        Raises:
+            ValueError: a missing tensor or a shape that does not match the config.
+        """
+        c = self.config
+        if "rope_freqs" in state:
+            self.inv_freq = rope_inv_freq(c, state["rope_freqs"])
+        fused: dict[str, torch.Tensor] = {}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [_take(state, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            if c.attention_bias:
+                fused[p + "self_attn.qkv_proj.bias"] = torch.cat(
+                    [_take(state, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [_take(state, p + "mlp.gate_proj.weight"), _take(state, p + "mlp.up_proj.weight")])
+            for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                      "input_layernorm.weight", "post_attention_layernorm.weight"):
+                fused[p + n] = _take(state, p + n)
+        fused["model.embed_tokens.weight"] = _take(state, "model.embed_tokens.weight")
+        fused["model.norm.weight"] = _take(state, "model.norm.weight")
+        if "lm_head.weight" in state and not c.tie_word_embeddings:
+            fused["lm_head.weight"] = state["lm_head.weight"]
+        else:
+            fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for name, tensor in fused.items():
+            key = name.removeprefix("model.")
+            if key not in params:
+                raise ValueError(f"unexpected weight {name}")
+            if tuple(params[key].shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[key].shape)}")
+            module_name, _, attr = key.rpartition(".")
+            module = self.get_submodule(module_name)
+            setattr(module, attr, nn.Parameter(
+                tensor.to(device=self.device, dtype=self.dtype).contiguous(), requires_grad=False))
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = self.inv_freq.to(self.device)
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` of shape ``[T, 1, head_dim]`` in the model dtype."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Run the decoder over the flattened step.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64.
+            positions: ``[num_tokens]`` int64, each token's position in its sequence.
+            kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+            meta: slot mapping and per-request attention layout.
+
+        Returns:
+            Final hidden states ``[num_tokens, hidden_size]`` (normed), model dtype.
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos_sin(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[num_rows, hidden]`` -> ``[num_rows, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+
+def _take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in state:
+        raise ValueError(f"missing weight {name}")
+    return state[name]

@@ -1,0 +1,160 @@
+"""Weight loading: a GGUF file (dequantized with the ``gguf`` package) or an HF model
+directory (``config.json`` + ``*.safetensors``), into HF-named float tensors.
+
+GGUF tensor names and the Q/K row permutation follow llama.cpp's ``convert_hf_to_gguf.py``
+(``LlamaModel.permute``), which this module inverts so one model implementation
+(``inflight.model.llama``, HF's rotate-half RoPE) serves both sources.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inflight.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def load_model(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a model's config and weights.
+
+    Args:
+        path: a ``.gguf`` file or an HF model directory.
+
+    Returns:
+        ``(config, state_dict)``: HF parameter names (``model.layers.0.self_attn.q_proj.weight``,
+        ...) to float32 (GGUF) or stored-dtype (safetensors) CPU tensors. A GGUF file with
+        llama3 RoPE factors adds ``rope_freqs`` of shape ``[head_dim // 2]``.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: unsupported architecture or tensor type.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no model at {p}")
+    if p.is_dir():
+        return _load_hf_dir(p)
+    return _load_gguf(p)
+
+
+def read_gguf_config(reader) -> ModelConfig:
+    """``ModelConfig`` from a ``gguf.GGUFReader``'s metadata (``{arch}.*`` keys)."""
+    def get(key, default=None):
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    heads = get(f"{arch}.attention.head_count")
+    hidden = get(f"{arch}.embedding_length")
+    vocab = get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    if get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get(f"{arch}.rope.scaling.factor")}
+    eos = get("tokenizer.ggml.eos_token_id")
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get(f"{arch}.feed_forward_length"),
+        num_hidden_layers=get(f"{arch}.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get(f"{arch}.attention.head_count_kv") or heads,
+        head_dim=get(f"{arch}.attention.key_length") or hidden // heads,
+        rms_norm_eps=get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=get(f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=get(f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        rope_scaling=scaling,
+        bos_token_id=get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+    )
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    config = read_gguf_config(reader)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            logger.warning("ignoring unknown GGUF tensor %s", t.name)
+            continue
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name}: type {t.tensor_type.name} unsupported") from e
+        # GGUF lists dims fastest-first; torch wants them slowest-first.
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n_head = (config.num_attention_heads if "q_proj" in name
+                      else config.num_key_value_heads)
+            tensor = _unpermute_qk(tensor, n_head)
+        state[name] = tensor
+    return config, state
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K permutation (interleaved RoPE pairs -> HF rotate-half halves)."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+             .transpose(1, 2).reshape(w.shape).contiguous())
+
+
+def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path} has no config.json")
+    config = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return config, state

@@ -1,0 +1,78 @@
+"""What the engine hands back: ``RequestOutput`` with one ``CompletionOutput`` per sequence.
+
+Shapes follow vLLM's ``vllm.outputs`` so offline client code ports unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request, seconds on the ``time.monotonic()`` clock.
+
+    ``first_token_time - arrival_time`` is the TTFT; ``finished_time - arrival_time`` the
+    end-to-end latency; ``first_scheduled_time - arrival_time`` the queueing time.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    For a streamed request (``Engine.add_request(..., stream=True)``) ``text``, ``token_ids``
+    and ``logprobs`` hold only what is new since the previous output (vLLM's DELTA kind);
+    otherwise they are cumulative and the output comes once, when the request finishes.
+
+    Attributes:
+        index: which of the ``n`` completions this is.
+        text: detokenized text (stop string removed unless asked to keep it).
+        token_ids: generated token ids.
+        logprobs: per token ``{token_id: logprob}`` (sampled token and top-k), or None.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+        stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The output of one request (all ``n`` completions of one prompt).
+
+    Attributes:
+        request_id: id given to ``add_request``.
+        prompt: prompt text, if the request was given text.
+        prompt_token_ids: prompt ids.
+        outputs: one ``CompletionOutput`` per completion, by ``index``.
+        finished: every completion has finished.
+        metrics: timestamps of the first completion (of the whole request when ``n == 1``).
+        error: set when the request failed inside the engine (it is then finished).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,123 @@
+"""A request's state as the scheduler and engine see it: token ids, status, timestamps.
+
+Mirrors vLLM v1's ``Request`` (vllm/v1/request.py): the prompt and output token ids, and
+``num_computed_tokens``, how many of them already have keys and values in the KV cache.
+Prefill and decode are not states: a step gives a request ``num_tokens -
+num_computed_tokens`` new tokens (or a chunk of them). No tensors, no HTTP.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Sequence
+
+from inflight.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING ...) -> one FINISHED_* state."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated (one of the ``n`` completions of a prompt).
+
+    Args:
+        request_id: unique id (the engine adds ``-i`` suffixes for ``n > 1``).
+        prompt_token_ids: prompt ids, at least one.
+        sampling_params: validated parameters.
+        arrival_time: seconds, ``time.monotonic()`` clock.
+        eos_token_ids: ids that finish the request unless ``ignore_eos``.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling_params: SamplingParams, arrival_time: float | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.output_token_ids: list[int] = []
+        # Per output token: {token_id: logprob}, the sampled token plus the top-k.
+        self.output_logprobs: list[dict[int, float]] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens: what the KV cache must hold once all are computed."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def token_id_at(self, position: int) -> int:
+        """The token id at ``position`` (0-based) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)`` of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def append_output_token(self, token_id: int, logprobs: dict[int, float] | None,
+                            now: float) -> None:
+        """Record one sampled token (its KV is computed in the next step)."""
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,102 @@
+"""The model runner: ``SchedulerOutput`` -> tensors -> forward -> logits -> sampled tokens.
+
+Owns the KV cache tensors (one per layer) and the step's input preparation: input ids,
+positions, slot mapping, block tables, sequence lengths. Holds no request state of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from inflight.core.output import ScheduledRequest, SchedulerOutput
+from inflight.model.attention import AttentionMetadata, PrefillChunk
+from inflight.model.config import ModelConfig
+from inflight.model.llama import LlamaForCausalLM
+from inflight.sampler import SampleResult, Sampler
+
+logger = logging.getLogger(__name__)
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.kv_size * elem
+
+
+class ModelRunner:
+    """Runs the model for one scheduled step.
+
+    Args:
+        model: a loaded ``LlamaForCausalLM``.
+        num_blocks: KV blocks to preallocate.
+        block_size: tokens per block.
+        kv_cache_dtype: element type of the KV cache.
+        sampler: the sampler applied to the logits.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 kv_cache_dtype: torch.dtype, sampler: Sampler) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.sampler = sampler
+        c = model.config
+        shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        # Zeros, not empty: padded block-table entries point at block 0 and are masked, but
+        # uninitialised memory could hold NaNs that survive a 0 attention weight.
+        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=self.device)
+                          for _ in range(c.num_hidden_layers)]
+
+    def execute(self, out: SchedulerOutput) -> list[SampleResult]:
+        """Run one step; returns one sampled token per request that completed its tokens."""
+        decodes = [s for s in out.scheduled if s.is_decode]
+        prefills = [s for s in out.scheduled if not s.is_decode]
+        ordered = decodes + prefills
+        input_ids, positions, meta = self._prepare(decodes, prefills)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows, requests = [], []
+        row = 0
+        for s in ordered:
+            row += s.num_scheduled_tokens
+            if s.samples:
+                rows.append(row - 1)
+                requests.append(s.request)
+        if not rows:
+            return []
+        index = torch.tensor(rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        return self.sampler.sample(logits, requests)
+
+    def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in decodes + prefills:
+            start = s.num_computed_tokens
+            ids.extend(s.token_ids)
+            table = s.block_table
+            for p in range(start, start + s.num_scheduled_tokens):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                                 num_decodes=len(decodes))
+        if decodes:
+            width = max(len(s.block_table) for s in decodes)
+            tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+            meta.decode_seq_lens = torch.tensor(
+                [s.num_computed_tokens + 1 for s in decodes], dtype=torch.long, device=dev)
+        row = len(decodes)
+        for s in prefills:
+            n = s.num_scheduled_tokens
+            used = -(-(s.num_computed_tokens + n) // bs)
+            meta.prefills.append(PrefillChunk(
+                q_start=row, q_end=row + n, num_computed=s.num_computed_tokens,
+                block_table=torch.tensor(s.block_table[:used], dtype=torch.long, device=dev)))
+            row += n
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), meta)

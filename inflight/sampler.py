@@ -1,0 +1,164 @@
+"""Batched sampling from per-request parameters.
+
+Order of logits processing follows vLLM's sampler and HF's ``LogitsProcessor`` conventions:
+min-tokens suppression, repetition penalty (CTRL, Keskar et al. 2019: divide positive logits,
+multiply negative ones), presence/frequency penalties (OpenAI API reference), temperature,
+then top-k, top-p (Holtzman et al. 2020), min-p (Nguyen et al. 2024). Returned logprobs are
+those of the model's raw distribution (vLLM's default ``raw_logprobs``).
+
+Seeded requests draw from their own ``torch.Generator``, so their tokens do not depend on
+what they are batched with; unseeded ones share the engine's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inflight.request import Request
+
+
+@dataclass
+class SampleResult:
+    """One sampled token.
+
+    Attributes:
+        request: whose token it is.
+        token_id: the sampled id.
+        logprobs: ``{token_id: logprob}`` of the sampled token and the top-``logprobs``
+            tokens, or None when the request did not ask for logprobs.
+    """
+
+    request: Request
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+class Sampler:
+    """Turns the logits of the sampling rows into tokens.
+
+    Args:
+        seed: seed of the shared generator used by unseeded requests.
+        device: where logits live (generators are made there).
+    """
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
+        self._request_generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[num_rows, vocab_size]`` float32, row ``i`` for ``requests[i]``.
+            requests: the rows' requests (their params and token history).
+
+        Returns:
+            One ``SampleResult`` per row, in row order.
+        """
+        raw = logits
+        logits = self._apply_penalties(logits.clone(), requests)
+        greedy = [r.sampling_params.is_greedy for r in requests]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            rows = [i for i, g in enumerate(greedy) if not g]
+            sampled = self._sample_random(logits[rows], [requests[i] for i in rows])
+            tokens[rows] = sampled
+        token_list = tokens.tolist()
+        logprob_list = self._logprobs(raw, tokens, requests)
+        return [SampleResult(r, t, lp) for r, t, lp in zip(requests, token_list, logprob_list)]
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned |= r.eos_token_ids
+                if banned:
+                    logits[i, list(banned)] = -float("inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
+                                    device=logits.device, dtype=torch.long)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                              vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                ids = torch.tensor(r.output_token_ids, device=logits.device, dtype=torch.long)
+                counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.sampling_params.temperature for r in requests],
+                             device=logits.device, dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        logits = _top_k_top_p_min_p(logits, requests)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p; each row uses its own
+        # generator so a seeded request's draws do not depend on its neighbours.
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            noise[i].exponential_(generator=self._generator_for(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator_for(self, r: Request) -> torch.Generator:
+        seed = r.sampling_params.seed
+        if seed is None:
+            return self.generator
+        g = self._request_generators.get(r.request_id)
+        if g is None:
+            g = torch.Generator(self.device).manual_seed(seed)
+            self._request_generators[r.request_id] = g
+        return g
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor,
+                  requests: list[Request]) -> list[dict[int, float] | None]:
+        wanted = [r.sampling_params.logprobs for r in requests]
+        if all(k is None for k in wanted):
+            return [None] * len(requests)
+        logp = raw.log_softmax(dim=-1)
+        k_max = max(k or 0 for k in wanted)
+        top_vals, top_ids = logp.topk(max(k_max, 1), dim=-1)
+        chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+        top_vals, top_ids, token_list = top_vals.tolist(), top_ids.tolist(), tokens.tolist()
+        result: list[dict[int, float] | None] = []
+        for i, k in enumerate(wanted):
+            if k is None:
+                result.append(None)
+                continue
+            entry = {token_list[i]: chosen[i]}
+            for tid, val in zip(top_ids[i][:k], top_vals[i][:k]):
+                entry.setdefault(tid, val)
+            result.append(entry)
+        return result
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Mask logits outside each row's top-k / nucleus / min-p set with -inf."""
+    params = [r.sampling_params for r in requests]
+    if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 for p in params):
+        return logits
+    vocab = logits.shape[-1]
+    dev = logits.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, -float("inf")).softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p (the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,122 @@
+"""Per-request sampling parameters.
+
+Field names, defaults and meanings follow vLLM's ``SamplingParams``
+(https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html) so that client code migrates
+unchanged. Every invalid value raises ``ValueError`` whose message starts with the field name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop, for one request.
+
+    Attributes:
+        n: number of independent completions returned for the prompt.
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability mass is
+            at least ``top_p`` (0, 1].
+        top_k: keep the ``top_k`` most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's.
+        seed: seeds a per-request generator, so a seeded request yields the same tokens
+            whatever it is batched with.
+        repetition_penalty: CTRL-style multiplicative penalty (>1 discourages) on tokens in
+            the prompt or output; 1 disables.
+        presence_penalty: OpenAI-style additive penalty on tokens already generated, [-2, 2].
+        frequency_penalty: OpenAI-style penalty times each generated token's count, [-2, 2].
+        max_tokens: maximum output tokens per completion (None: up to the context length).
+        min_tokens: EOS and stop token ids are suppressed until this many tokens exist.
+        stop: strings that end the completion; the stop string is cut from the output
+            unless ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end the completion (kept in ``token_ids``).
+        include_stop_str_in_output: keep the matched stop string in the text.
+        ignore_eos: keep generating past EOS (benchmarks force output lengths with it).
+        logprobs: number of top log-probabilities to return per output token (None: none).
+            The sampled token's own log-probability is always included when set.
+        skip_special_tokens: drop special tokens from the detokenized text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Filled in from ``stop``: always a tuple of non-empty strings.
+    stop_strings: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = ()
+        elif isinstance(self.stop, str):
+            self.stop_strings = (self.stop,)
+        else:
+            self.stop_strings = tuple(self.stop)
+        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+
+        check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+              "top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+              "repetition_penalty", "must be > 0")
+        check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+              "presence_penalty", "must be in [-2, 2]")
+        check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+              "frequency_penalty", "must be in [-2, 2]")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", "must be an integer >= 1 or None")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        if self.max_tokens is not None and _is_int(self.min_tokens):
+            check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        check(all(isinstance(s, str) and s for s in self.stop_strings),
+              "stop", "must be a non-empty string or a list of non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", "must be a list of non-negative integers")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+              "logprobs", "must be an integer in [0, 20] or None")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            check(isinstance(getattr(self, name), bool), name, "must be a bool")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A validated copy with ``changes`` applied (used to fan out ``n`` completions)."""
+        return replace(self, **changes)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
