@@ -51,23 +51,29 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         """Run one step; returns one sampled token per request that completed its tokens."""
+        logits, requests = self.compute_logits(out)
+        return self.sampler.sample(logits, requests) if requests else []
+
+    def compute_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
+        """Forward the step; logits ``[num_sampling_rows, vocab]`` float32 and their requests.
+
+        Only rows that sample (a request's last known token) reach the LM head.
+        """
         decodes = [s for s in out.scheduled if s.is_decode]
         prefills = [s for s in out.scheduled if not s.is_decode]
-        ordered = decodes + prefills
         input_ids, positions, meta = self._prepare(decodes, prefills)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows, requests = [], []
         row = 0
-        for s in ordered:
+        for s in decodes + prefills:
             row += s.num_scheduled_tokens
             if s.samples:
                 rows.append(row - 1)
                 requests.append(s.request)
         if not rows:
-            return []
+            return None, []
         index = torch.tensor(rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        return self.sampler.sample(logits, requests)
+        return self.model.compute_logits(hidden.index_select(0, index)), requests
 
     def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
         bs = self.block_size

@@ -70,6 +70,11 @@ class ModelConfig:
         if model_type == "qwen2" and cfg.get("use_sliding_window"):
             raise ValueError("Qwen2 with sliding-window attention is not supported")
         heads = cfg["num_attention_heads"]
+        # transformers >= 5 nests theta and scaling under ``rope_parameters``.
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -82,11 +87,11 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

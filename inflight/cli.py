@@ -1,0 +1,89 @@
+"""``inflight serve | generate | bench``: the command line.
+
+Engine flags are spelled as vLLM's (``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--block-size``, ...); see ``EngineConfig.add_cli_args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_generate(sub) -> None:
+    from inflight.config import EngineConfig
+
+    p = sub.add_parser("generate", help="generate from prompts offline (no server)")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="a prompt; repeat the flag for several (they are batched together)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap each prompt as a user message through the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    EngineConfig.add_cli_args(p)
+
+
+def _run_generate(args) -> int:
+    from inflight.config import EngineConfig
+    from inflight.entrypoints.llm import LLM
+    from inflight.sampling_params import SamplingParams
+
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM(**vars(config))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                           use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, out in zip(args.prompt, outputs):
+        c = out.outputs[0]
+        print(f"### prompt: {prompt}\n{c.text}\n"
+              f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inflight", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    try:
+        from inflight.server.app import add_serve_parser
+        add_serve_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from inflight.bench.cli import add_bench_parser
+        add_bench_parser(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+        if args.command == "serve":
+            from inflight.server.app import run_serve
+            return run_serve(args)
+        if args.command == "bench":
+            from inflight.bench.cli import run_bench
+            return run_bench(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"inflight: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Paged-model logits equal HF transformers' on the same weights (tiny random configs).
+
+Each sequence runs through the real engine (scheduler, KV blocks of 4 tokens, chunked
+prefill, mixed decode/prefill steps); every logits row the engine samples from is compared
+with HF's full-sequence forward at the same position. Tolerance: float32, 1e-4 absolute
+(different summation order only); bfloat16, 3% of the largest |logit| (bf16 keeps 8
+mantissa bits, and HF and we round activations at slightly different points).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from inflight.config import EngineConfig
+from inflight.engine import Engine
+from inflight.model.llama import LlamaForCausalLM
+from inflight.model.loader import load_model
+from inflight.runner import ModelRunner
+from inflight.sampler import Sampler
+from inflight.sampling_params import SamplingParams
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-5)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, rope_theta=10000.0,
+                                              tie_word_embeddings=False),
+    "llama3-rope": lambda: transformers.LlamaConfig(
+        **COMMON, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None,
+                                                  tie_word_embeddings=False),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, rope_theta=1000000.0,
+                                              tie_word_embeddings=True),
+}
+
+
+class RecordingRunner(ModelRunner):
+    """A real runner that keeps each sampled row's logits, keyed by (request, position)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits = {}
+
+    def execute(self, out):
+        logits, requests = self.compute_logits(out)
+        for row, req in enumerate(requests):
+            self.logits[(req.request_id, req.num_tokens - 1)] = logits[row].clone()
+        return self.sampler.sample(logits, requests) if requests else []
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny_model(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf_config = CONFIGS[request.param]()
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random init is tiny; widen it so logits actually differ
+        for p in hf.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 1.0)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf, path
+
+
+def _run_engine(path, dtype, prompts, max_tokens, **cfg):
+    model_config, state = load_model(path)
+    model = LlamaForCausalLM(model_config, dtype=dtype)
+    model.load_weights(state)
+    runner = RecordingRunner(model, cfg.pop("num_blocks", 64), 4, dtype, Sampler())
+    engine = Engine(EngineConfig(block_size=4, **cfg), runner=runner,
+                    num_blocks=len(runner.kv_caches[0][0]), max_model_len=256)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                     ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    return runner.logits, {rid: o.prompt_token_ids + o.outputs[0].token_ids
+                           for rid, o in outs.items()}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.03)])
+def test_prefill_then_decode_logits_match_hf(tiny_model, dtype, tol):
+    hf, path = tiny_model
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 13, 22)]
+    # Budget 8: the 22-token prompt runs in chunks while the others decode beside it.
+    logits, seqs = _run_engine(path, dtype, prompts, max_tokens=12, max_num_batched_tokens=8)
+    hf = hf.to(dtype)
+    for rid, seq in seqs.items():
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        positions = sorted(p for r, p in logits if r == rid)
+        assert len(positions) == 12  # the prompt's last token plus 11 decodes
+        for pos in positions:
+            atol = tol if dtype == torch.float32 else tol * ref[pos].abs().max().item()
+            torch.testing.assert_close(logits[(rid, pos)], ref[pos], atol=atol, rtol=0)
+    hf.float()
+
+
+def test_preempted_request_recomputes_to_the_same_logits(tiny_model):
+    hf, path = tiny_model
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
+    # 6 blocks of 4 tokens cannot hold both sequences at 16 tokens: one is preempted.
+    small, seqs_small = _run_engine(path, torch.float32, prompts, max_tokens=10, num_blocks=6)
+    big, seqs_big = _run_engine(path, torch.float32, prompts, max_tokens=10, num_blocks=64)
+    assert seqs_small == seqs_big
+    for key, value in big.items():
+        torch.testing.assert_close(small[key], value, atol=1e-4, rtol=0)
