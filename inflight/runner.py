@@ -7,6 +7,9 @@ positions, slot mapping, block tables, sequence lengths. Holds no request state 
 from __future__ import annotations
 
 import logging
+import math
+
+import numpy as np
 
 import torch
 
@@ -23,6 +26,17 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     """Bytes one KV block takes across all layers (keys and values)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.kv_size * elem
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. Masked KV slots (block-table padding, the unwritten tail of a last
+    block) still enter P @ V with weight 0, so they must never hold NaN bit patterns.
+    On CPU the zeros come from ``calloc`` (numpy), which maps fresh zero pages lazily:
+    ``torch.zeros`` would touch every page up front (~7 s for a 4 GiB pool here)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -44,9 +58,7 @@ class ModelRunner:
         self.sampler = sampler
         c = model.config
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        # Zeros, not empty: padded block-table entries point at block 0 and are masked, but
-        # uninitialised memory could hold NaNs that survive a 0 attention weight.
-        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=self.device)
+        self.kv_caches = [_zeros(shape, kv_cache_dtype, self.device)
                           for _ in range(c.num_hidden_layers)]
 
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:

@@ -64,39 +64,42 @@ def load_model(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Te
     return _load_gguf(p)
 
 
-def read_gguf_config(reader) -> ModelConfig:
-    """``ModelConfig`` from a ``gguf.GGUFReader``'s metadata (``{arch}.*`` keys)."""
-    def get(key, default=None):
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
+def read_gguf_config(metadata: dict, tensor_names: set[str]) -> ModelConfig:
+    """``ModelConfig`` from a GGUF's metadata (``{arch}.*`` keys) and its tensor names.
 
-    arch = get("general.architecture")
+    Raises:
+        ValueError: an architecture other than llama / qwen2.
+    """
+    arch = metadata.get("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
-    heads = get(f"{arch}.attention.head_count")
-    hidden = get(f"{arch}.embedding_length")
-    vocab = get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+
+    def get(key, default=None):
+        return metadata.get(f"{arch}.{key}", default)
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    vocab = get("vocab_size") or len(metadata["tokenizer.ggml.tokens"])
     scaling = None
-    if get(f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": get(f"{arch}.rope.scaling.factor")}
-    eos = get("tokenizer.ggml.eos_token_id")
-    names = {t.name for t in reader.tensors}
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=get(f"{arch}.feed_forward_length"),
-        num_hidden_layers=get(f"{arch}.block_count"),
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=get(f"{arch}.attention.head_count_kv") or heads,
-        head_dim=get(f"{arch}.attention.key_length") or hidden // heads,
-        rms_norm_eps=get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=get(f"{arch}.rope.freq_base", 10000.0),
-        max_position_embeddings=get(f"{arch}.context_length", 2048),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        num_key_value_heads=get("attention.head_count_kv") or heads,
+        head_dim=get("attention.key_length") or hidden // heads,
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=get("rope.freq_base", 10000.0),
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=scaling,
-        bos_token_id=get("tokenizer.ggml.bos_token_id"),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
     )
 
@@ -104,22 +107,22 @@ def read_gguf_config(reader) -> ModelConfig:
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    config = read_gguf_config(reader)
+    from inflight.model.gguf_file import read_gguf_tensors
+
+    metadata, tensors = read_gguf_tensors(path)
+    config = read_gguf_config(metadata, {t.name for t in tensors})
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in tensors:
         name = _hf_name(t.name)
         if name is None:
             logger.warning("ignoring unknown GGUF tensor %s", t.name)
             continue
         try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = gguf.quants.dequantize(t.data, t.qtype)
         except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {t.name}: type {t.tensor_type.name} unsupported") from e
-        # GGUF lists dims fastest-first; torch wants them slowest-first.
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
-        tensor = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
+            raise ValueError(f"GGUF tensor {t.name}: type {t.qtype.name} unsupported") from e
+        # A copy: unquantized tensors come back as read-only views of the mapped file.
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32).reshape(t.shape))
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = (config.num_attention_heads if "q_proj" in name
                       else config.num_key_value_heads)

@@ -14,13 +14,11 @@ GGUF converter.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import struct
 from collections.abc import Callable
 from typing import Any
 
-from gguf import GGUFValueType
+from inflight.model.gguf_file import read_gguf_metadata
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -30,77 +28,6 @@ logger = logging.getLogger(__name__)
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
-_SCALAR_FORMAT = {
-    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
-    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
-    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
-    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
-}
-
-
-def read_gguf_metadata(path: str | os.PathLike,
-                       wanted: Callable[[str], bool] = lambda key: True) -> dict[str, Any]:
-    """Return ``{key: value}`` for the metadata keys of a GGUF (v2/v3, little-endian) file.
-
-    Values of keys for which ``wanted(key)`` is false are skipped without being decoded.
-    Arrays come back as lists, strings as ``str``. Raises ``ValueError`` for a file that is not
-    a GGUF, a big-endian or v1 GGUF, or a truncated header; ``OSError`` if it cannot be opened.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (bad magic)")
-        (version,) = struct.unpack_from("<I", buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version} (need v2/v3, little-endian)")
-        _, n_kv = struct.unpack_from("<QQ", buf, 8)
-        pos, out = 24, {}
-        try:
-            for _ in range(n_kv):
-                key, pos = _read_str(buf, pos)
-                (vtype,) = struct.unpack_from("<I", buf, pos)
-                value, pos = _read_value(buf, pos + 4, vtype, wanted(key))
-                if wanted(key):
-                    out[key] = value
-        except (struct.error, UnicodeDecodeError, KeyError) as exc:
-            raise ValueError(f"{path}: corrupt GGUF metadata: {exc!r}") from exc
-    return out
-
-
-def _read_str(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    end = pos + 8 + n
-    if end > len(buf):
-        raise struct.error("string runs past end of file")
-    return buf[pos + 8:end].decode("utf-8"), end
-
-
-def _read_value(buf: mmap.mmap, pos: int, vtype: int, keep: bool) -> tuple[Any, int]:
-    if vtype == GGUFValueType.STRING:
-        return _read_str(buf, pos)
-    if vtype != GGUFValueType.ARRAY:
-        fmt = "<" + _SCALAR_FORMAT[vtype]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    etype, n = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if etype == GGUFValueType.STRING:
-        items = []
-        for _ in range(n):
-            (size,) = struct.unpack_from("<Q", buf, pos)
-            if keep:
-                items.append(buf[pos + 8:pos + 8 + size].decode("utf-8"))
-            pos += 8 + size
-        return items, pos
-    if etype == GGUFValueType.ARRAY:  # nested arrays: no tokenizer key uses them
-        items = []
-        for _ in range(n):
-            (inner,) = struct.unpack_from("<I", buf, pos)
-            item, pos = _read_value(buf, pos + 4, inner, keep)
-            items.append(item)
-        return items, pos
-    fmt = _SCALAR_FORMAT[etype]
-    width = struct.calcsize("<" + fmt)
-    values = list(struct.unpack_from(f"<{n}{fmt}", buf, pos)) if keep else None
-    return values, pos + n * width
 
 
 # Pre-tokenizer splits per tokenizer.ggml.pre, from llama.cpp's llama_vocab::impl::load /
