@@ -75,17 +75,6 @@ class IncrementalDetokenizer:
         self._prefix_text = None
         return new_text
 
-    def _flush(self) -> str:
-        # Ids still held at the end never completed a character: render them like decode() does.
-        if self._read_offset >= len(self._ids):
-            return ""
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
-        del self._ids[:]
-        self._prefix_offset = self._read_offset = 0
-        self._prefix_text = None
-        return full[len(prefix):]
-
     # ------------------------------------------------------------------------ stop strings
     def _append(self, new_text: str) -> str | None:
         if not new_text:
@@ -138,11 +127,10 @@ class IncrementalDetokenizer:
 
         While not ``finished``, holds back an incomplete UTF-8 character and the trailing chars
         that could still begin a stop string, so no returned text is ever cut off later. With
-        ``finished=True`` returns everything left, including ids that never completed a
-        character (as U+FFFD, like ``Tokenizer.decode``), after a last stop-string check.
+        ``finished=True`` returns everything left in ``output_text``. Ids that never completed
+        a character (a completion cut by ``max_tokens`` mid-emoji) are dropped, never sent as
+        U+FFFD, so streamed and non-streamed text agree.
         """
-        if finished and self.matched_stop is None:
-            self._append(self._flush())
         if finished or self.matched_stop is not None:
             end = len(self.output_text)
         else:

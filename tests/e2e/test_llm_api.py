@@ -1,0 +1,103 @@
+"""The public API on the bundled model: LLM.generate/chat, logprobs, stop strings,
+streaming deltas, n, and errors that leave nothing queued."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inflight import LLM, SamplingParams
+from tests.e2e.conftest import run
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(num_kv_blocks=256, max_num_seqs=16)
+
+
+def test_llm_default_model_generate_and_chat(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The capital of France is")
+    outs = llm.generate(["The capital of France is", ids, "1, 2, 3, 4,"],
+                        SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    assert outs[0].prompt == "The capital of France is" and outs[0].prompt_token_ids == ids
+    assert outs[1].prompt is None and outs[1].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    m = outs[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in chat.text and chat.finish_reason == "stop"
+
+
+def test_bad_prompt_raises_and_leaves_nothing_queued(llm):
+    with pytest.raises(ValueError, match="max_model_len|KV cache"):
+        llm.generate(["fine", [5] * 100_000], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def test_logprobs_equal_hf_log_softmax(make_engine, hf_reference, bundled):
+    tok = bundled[2]
+    ids = tok.encode("Continuous batching lets an inference server")
+    out = run(make_engine(), [ids], SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0]
+    c = out.outputs[0]
+    seq = ids + c.token_ids
+    with torch.no_grad():
+        ref = hf_reference(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+    assert len(c.logprobs) == 6
+    for i, (token, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        row = ref[len(ids) - 1 + i]
+        top = row.topk(3)
+        assert set(lp) == {token} | set(top.indices.tolist())
+        for tid, value in lp.items():
+            assert value == pytest.approx(row[tid].item(), abs=1e-3)
+
+
+def test_stop_strings_cut_text_across_tokens(make_engine, bundled):
+    tok = bundled[2]
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about Paris."}]),
+                     add_special_tokens=False)
+    full = run(make_engine(), [ids], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    # A stop string that straddles a token boundary: the last 3 chars of one token's text
+    # plus the first 2 of the next.
+    pieces = [tok.decode(full.token_ids[:i]) for i in range(1, len(full.token_ids))]
+    cut = next(len(p) for p in pieces[5:] if len(p) > 20)
+    stop = full.text[cut - 3:cut + 2]
+    first = full.text.index(stop)
+    out = run(make_engine(), [ids], SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0]
+    assert out.outputs[0].text == full.text[:first]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
+    kept = run(make_engine(), [ids], SamplingParams(temperature=0, max_tokens=40, stop=stop,
+                                                    include_stop_str_in_output=True))[0]
+    assert kept.outputs[0].text == full.text[:first + len(stop)]
+
+
+def test_stream_deltas_join_to_the_full_text(make_engine, bundled):
+    tok = bundled[2]
+    prompt = tok.encode("写一首关于月亮的诗。Emoji: 🌙✨")
+    params = SamplingParams(temperature=0, max_tokens=40)
+    full = run(make_engine(), [prompt], params)[0].outputs[0]
+    engine = make_engine()
+    engine.add_request("s", prompt, params, stream=True)
+    deltas, tokens = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].text)
+            tokens += out.outputs[0].token_ids
+    assert "".join(deltas) == full.text and tokens == full.token_ids
+    assert all("\ufffd" not in d for d in deltas)
+    assert out.finished and out.outputs[0].finish_reason == full.finish_reason
+
+
+def test_n_completions_with_a_seed_differ_and_repeat(make_engine, bundled):
+    tok = bundled[2]
+    prompt = tok.encode("Once upon a time")
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12)
+    a = run(make_engine(), [prompt], params)[0]
+    b = run(make_engine(), [prompt], params)[0]
+    texts = [c.token_ids for c in a.outputs]
+    assert len(texts) == 3 and len({tuple(t) for t in texts}) > 1
+    assert texts == [c.token_ids for c in b.outputs]
