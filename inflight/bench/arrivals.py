@@ -1,0 +1,74 @@
+"""When each request is sent: offsets in seconds from the start of the run.
+
+Processes (as vLLM's ``benchmark_serving``: the first request goes at t = 0, each later one
+after a gap):
+
+- ``poisson``: exponential gaps with mean ``1 / rate``.
+- ``gamma``: gamma gaps with shape ``burstiness`` and scale ``1 / (rate * burstiness)``, so
+  the mean rate is still ``rate``; burstiness < 1 is burstier than Poisson, > 1 smoother
+  (the coefficient of variation of the gaps is ``1 / sqrt(burstiness)``).
+- ``constant``: gaps of exactly ``1 / rate``.
+- ``trace``: the trace's own arrival times, multiplied by ``time_scale`` (2 = half the
+  rate, 0.5 = twice the rate).
+
+``rate = inf`` sends every request at t = 0. Gaps are drawn as mean-1 variates and divided
+by the rate, so with one seed every rate sees the same pattern, only compressed: points of
+a sweep or a capacity search differ in load and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+PROCESSES = ("poisson", "gamma", "constant", "trace")
+
+
+def unit_gaps(n: int, process: str, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """``n`` gaps with mean 1 (dimensionless) for ``process`` in poisson/gamma/constant."""
+    if process == "constant":
+        return np.ones(n)
+    if process == "poisson":
+        burstiness = 1.0
+    elif process != "gamma":
+        raise ValueError(f"unknown arrival process {process!r}")
+    if burstiness <= 0:
+        raise ValueError("burstiness must be > 0")
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / burstiness, size=n)
+
+
+def rate_offsets(n: int, rate: float, process: str = "poisson", burstiness: float = 1.0,
+                 seed: int = 0) -> list[float]:
+    """Send offsets (s) of ``n`` requests at mean ``rate`` (requests/s); the first at 0."""
+    if n <= 0:
+        return []
+    if rate <= 0:
+        raise ValueError("request rate must be > 0")
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = unit_gaps(n - 1, process, burstiness, seed) / rate
+    return [0.0] + np.cumsum(gaps).tolist()
+
+
+def trace_offsets(trace_times: Sequence[float], time_scale: float = 1.0) -> list[float]:
+    """Send offsets (s) replaying trace arrival times (s), relative to the first, scaled."""
+    if time_scale <= 0:
+        raise ValueError("time scale must be > 0")
+    if not trace_times:
+        return []
+    t0 = trace_times[0]
+    return [(t - t0) * time_scale for t in trace_times]
+
+
+def make_offsets(n: int, process: str, rate: float = math.inf, burstiness: float = 1.0,
+                 seed: int = 0, trace_times: Sequence[float | None] | None = None,
+                 time_scale: float = 1.0) -> list[float]:
+    """Offsets for the configured process; ``trace`` needs ``trace_times`` (from the dataset)."""
+    if process == "trace":
+        if not trace_times or any(t is None for t in trace_times[:n]):
+            raise ValueError("--arrival trace needs a trace dataset (--dataset trace)")
+        return trace_offsets(list(trace_times[:n]), time_scale)  # type: ignore[arg-type]
+    return rate_offsets(n, rate, process, burstiness, seed)

@@ -1,0 +1,184 @@
+"""``inflight bench serve | sweep | capacity``: the argument parser and the entry point.
+
+``add_bench_parser(subparsers)`` adds the ``bench`` command to any argparse subparsers
+object; ``run_bench(args)`` runs what was parsed and returns the exit code:
+0 done, 1 the run could not measure anything (server unreachable, every request failed,
+no load passed the capacity SLO), 2 usage error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+
+import httpx
+
+from inflight.bench.arrivals import PROCESSES
+from inflight.bench.capacity import DEFAULT_PREEMPTION_THRESHOLD
+from inflight.bench.commands import COMMANDS
+from inflight.bench.datasets import BUILDERS, default_data_dir
+
+
+# ---------------------------------------------------------------- parsing
+
+def _rate(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError("must be > 0 (or inf)")
+    return v
+
+
+def _floats(text: str) -> list[float]:
+    return [_rate(x) for x in text.split(",") if x.strip()]
+
+
+def _json_obj(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
+
+
+def _common_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
+    g.add_argument("--model", help="model name to send (default: first of GET /v1/models)")
+    g.add_argument("--endpoint-type", choices=("completions", "chat"),
+                   help="API to call (default: chat for --dataset chat, else completions)")
+    g.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer token (default: $INFLIGHT_API_KEY or $OPENAI_API_KEY)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    g.add_argument("--extra-body", type=_json_obj, default={}, metavar="JSON",
+                   help='extra request fields, e.g. \'{"top_k": 20}\'')
+    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="per-request limit in seconds; a request over it fails (default %(default)s)")
+    g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="scrape GET /metrics during the run (default on)")
+    g.add_argument("--metrics-interval", type=float, default=1.0, metavar="S", help="scrape period (s)")
+
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset", choices=tuple(BUILDERS), default="random")
+    g.add_argument("--data-dir", default=None,
+                   help=f"folder of the data files (default $INFLIGHT_DATA_DIR or {default_data_dir()})")
+    g.add_argument("--num-prompts", type=int, default=100, help="requests counted (default %(default)s)")
+    g.add_argument("--num-warmups", type=int, default=0, help="uncounted requests sent first")
+    g.add_argument("--seed", type=int, default=0, help="seed of datasets and arrivals")
+    g.add_argument("--input-len", "--random-input-len", "--sonnet-input-len", dest="input_len", type=int,
+                   default=256, help="random/sonnet prompt tokens (default %(default)s)")
+    g.add_argument("--output-len", "--random-output-len", "--sonnet-output-len", dest="output_len", type=int,
+                   default=128, help="random/sonnet/chat max_tokens (default %(default)s)")
+    g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+                   help="random: lengths uniform in len*(1±ratio)")
+    g.add_argument("--prefix-len", "--random-prefix-len", "--sonnet-prefix-len", dest="prefix_len", type=int,
+                   default=0, help="random/sonnet: shared prefix tokens")
+    g.add_argument("--trace-file", help="Azure CSV or Mooncake JSONL (default: the Azure conv slice)")
+    g.add_argument("--trace-format", choices=("auto", "azure", "mooncake"), default="auto")
+    g.add_argument("--trace-skip", type=int, default=0, help="trace rows skipped first")
+    g.add_argument("--length-scale", type=float, default=1.0, help="trace: multiplies prompt and output lengths")
+    g.add_argument("--min-input-len", type=int, default=1)
+    g.add_argument("--max-input-len", type=int, default=None, help="trace: cap on prompt tokens (after scaling)")
+    g.add_argument("--min-output-len", type=int, default=1)
+    g.add_argument("--max-output-len", type=int, default=None, help="trace: cap on output tokens (after scaling)")
+    g.add_argument("--prefix-blocks", action=argparse.BooleanOptionalAction, default=True,
+                   help="Mooncake: requests sharing hash_ids share prompt prefixes (default on)")
+    g.add_argument("--chat-file", default="mt_bench", help="mt_bench, vicuna or a JSONL path")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="send ignore_eos (default: on except for chat)")
+    g.add_argument("--tokenize", choices=("auto", "server", "local", "approx"), default="auto",
+                   help="how prompt tokens are counted: server /tokenize, --tokenizer, or whitespace words")
+    g.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer dir or .gguf file")
+
+    g = p.add_argument_group("arrivals")
+    g.add_argument("--arrival", choices=PROCESSES, default="poisson")
+    g.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s; inf = all at once")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson; <1 burstier)")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace: multiplies trace times (2 = half the rate)")
+    g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    g.add_argument("--duration", type=float, default=None, metavar="S", help="stop sending after S seconds")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--slo", default=None,
+                   help="targets, seconds or 'ms': ttft=,tpot=,itl=,e2e= per request (goodput); "
+                        "ttft_p95=, itl_p99=, ... on the run's statistics")
+    g.add_argument("--save-result", metavar="FILE.json", help="write the result as JSON")
+    g.add_argument("--plot", metavar="FILE.png", help="write a plot")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    return p
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server per value")
+    g.add_argument("--serve-cmd", metavar="TEMPLATE",
+                   help="start the server per value: a command with {value}, e.g. "
+                        "'inflight serve --port 8000 --max-num-seqs {value}'")
+    g.add_argument("--values", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
+                   help="comma-separated values substituted for {value}")
+    g.add_argument("--server-start-timeout", type=float, default=600.0, metavar="S")
+    g.add_argument("--server-stop-timeout", type=float, default=15.0, metavar="S",
+                   help="wait after SIGINT before SIGTERM")
+    g.add_argument("--server-log-dir", help="keep each server's output here (default: a temp file)")
+
+
+def add_bench_parser(subparsers) -> None:
+    """Add ``bench`` with sub-commands ``serve``, ``sweep`` and ``capacity`` to ``subparsers``."""
+    common = _common_parser()
+    bench = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server",
+                                  description="Load-test any OpenAI-compatible server.")
+    bench.set_defaults(bench_command=None, _bench_parser=bench)
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,capacity}")
+
+    sub.add_parser("serve", parents=[common], help="one run: latency percentiles, throughput, goodput",
+                   description="Send a request mix at one load and report latencies and throughput.")
+
+    sweep = sub.add_parser("sweep", parents=[common], help="runs over request rates (and server knob values)",
+                           description="One run per request rate (or trace time scale), optionally per "
+                                       "server knob value with --serve-cmd.")
+    sweep.add_argument("--request-rates", type=_floats, help="comma-separated rates (req/s), e.g. 1,2,4,8")
+    sweep.add_argument("--time-scales", type=_floats, help="--arrival trace: comma-separated time scales")
+    sweep.add_argument("--save-csv", metavar="FILE.csv", help="write one row per point")
+    _server_args(sweep)
+
+    capacity = sub.add_parser("capacity", parents=[common], help="highest load meeting p95 SLOs",
+                              description="Bracket and bisect the highest request rate (or smallest trace "
+                                          "time scale) at which the aggregate SLOs hold and nothing fails.")
+    g = capacity.add_argument_group("search")
+    g.add_argument("--rate-start", type=_rate, default=1.0, help="first rate tried (req/s)")
+    g.add_argument("--rate-min", type=_rate, default=0.05)
+    g.add_argument("--rate-max", type=_rate, default=1000.0)
+    g.add_argument("--time-scale-min", type=_rate, default=0.001, help="--arrival trace: smallest time scale")
+    g.add_argument("--time-scale-max", type=_rate, default=1000.0, help="--arrival trace: largest time scale")
+    g.add_argument("--tolerance", type=float, default=0.1, help="stop when hi/lo <= 1 + tolerance")
+    g.add_argument("--max-points", type=int, default=12, help="points per search")
+    g.add_argument("--repeats", type=int, default=1, help="searches (seeds seed, seed+1, ...)")
+    g.add_argument("--preemption-threshold", type=float, default=DEFAULT_PREEMPTION_THRESHOLD,
+                   help="fail a point above this many preemptions per completed request")
+    _server_args(capacity)
+
+
+def run_bench(args) -> int:
+    """Run the parsed ``bench`` sub-command; returns the process exit code."""
+    command = getattr(args, "bench_command", None)
+    if command not in COMMANDS:
+        parser = getattr(args, "_bench_parser", None)
+        if parser is not None:
+            parser.print_help(sys.stderr)
+        return 2
+    try:
+        return asyncio.run(COMMANDS[command](args))
+    except ValueError as e:
+        print(f"inflight bench {command}: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError, httpx.HTTPError) as e:
+        print(f"inflight bench {command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

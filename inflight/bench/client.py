@@ -1,0 +1,204 @@
+"""Streaming client of an OpenAI-compatible server, timing every streamed chunk.
+
+One request = one ``POST /v1/completions`` or ``/v1/chat/completions`` with ``stream: true``
+and ``stream_options: {"include_usage": true}``. The answer is Server-Sent Events: ``data:``
+lines carrying JSON chunks, a last chunk with ``usage`` and empty ``choices``, then
+``data: [DONE]``. Times are read from ``clock`` (seconds) as each line is parsed.
+
+A chunk counts as a token chunk when its first choice carries non-empty ``text``
+(completions) or ``delta.content`` (chat). This follows vLLM's ``benchmark_serving``,
+except that chunks without text, like the chat role chunk some servers send first, are not
+taken as the first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import httpx
+
+from inflight.bench.datasets import RequestSpec
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request. Times in seconds since the run's start; lengths in tokens."""
+
+    index: int
+    scheduled_time: float  # when the arrival process said to send it
+    send_time: float = 0.0  # when it was sent (later than scheduled under --max-concurrency)
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each token chunk
+    end_time: float = 0.0  # end of the stream, error or timeout
+    success: bool = False
+    error: str | None = None
+    status: int | None = None  # HTTP status
+    prompt_len: int | None = None  # expected, from the dataset
+    output_len: int = 0  # requested max_tokens
+    prompt_tokens: int | None = None  # from usage
+    output_tokens: int | None = None  # from usage, else the number of token chunks
+    output_tokens_from_usage: bool = False
+    finish_reason: str | None = None
+    warmup: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def build_payload(spec: RequestSpec, endpoint: str, model: str, temperature: float | None,
+                  extra_body: dict | None = None) -> dict:
+    """The JSON body for ``endpoint`` in {"completions", "chat"}."""
+    body: dict = {"model": model, "max_tokens": spec.output_len, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        body["messages"] = spec.as_messages()
+    else:
+        body["prompt"] = spec.as_text()
+    if temperature is not None:
+        body["temperature"] = temperature
+    if spec.ignore_eos:
+        # vLLM's extension; sent only when wanted because strict servers reject unknown fields.
+        body["ignore_eos"] = True
+    body.update(extra_body or {})
+    return body
+
+
+def endpoint_path(endpoint: str) -> str:
+    return "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+
+
+def _chunk_text(data: dict) -> str:
+    choices = data.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    if "delta" in c:
+        return (c.get("delta") or {}).get("content") or ""
+    return c.get("text") or ""
+
+
+def _finish_reason(data: dict) -> str | None:
+    for c in data.get("choices") or []:
+        if c.get("finish_reason"):
+            return c["finish_reason"]
+    return None
+
+
+class _SSE:
+    """Joins ``data:`` lines into events; tolerant of servers that omit blank lines."""
+
+    def __init__(self) -> None:
+        self._buf: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        """Return a complete event payload, or None while one is still being assembled."""
+        if not line:
+            return self._flush()
+        if line.startswith(":"):
+            return None  # comment / keep-alive
+        if not line.startswith("data:"):
+            return None  # event:, id:, retry: carry nothing we time
+        payload = line[5:].lstrip(" ")
+        self._buf.append(payload)
+        joined = "\n".join(self._buf)
+        if joined == "[DONE]" or _is_json(joined):
+            self._buf = []
+            return joined
+        return None
+
+    def _flush(self) -> str | None:
+        joined = "\n".join(self._buf)
+        self._buf = []
+        return joined or None
+
+
+def _is_json(s: str) -> bool:
+    try:
+        json.loads(s)
+    except ValueError:
+        return False
+    return True
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord,
+                         headers: dict[str, str] | None = None, timeout: float = 600.0,
+                         clock: Clock = time.perf_counter) -> RequestRecord:
+    """Send one streamed request and fill ``record`` (times from ``clock``, seconds).
+
+    ``timeout`` bounds the whole request (s); a timeout, a non-200 status, an ``error``
+    event in the stream or a stream that ends without ``[DONE]`` or a ``finish_reason``
+    makes the request a failure.
+    """
+    record.send_time = clock()
+    try:
+        async with asyncio.timeout(timeout):
+            await _stream(client, url, payload, record, headers or {}, clock)
+    except TimeoutError:
+        record.error = f"timeout after {timeout:g} s"
+    except httpx.HTTPError as e:
+        record.error = f"{type(e).__name__}: {e}"
+    except (ValueError, KeyError, TypeError) as e:  # malformed chunks
+        record.error = f"bad stream: {type(e).__name__}: {e}"
+    record.end_time = clock()
+    if record.error:
+        record.success = False
+    if record.output_tokens is None:
+        record.output_tokens = len(record.chunk_times)
+    return record
+
+
+async def _stream(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord,
+                  headers: dict[str, str], clock: Clock) -> None:
+    async with client.stream("POST", url, json=payload, headers=headers) as resp:
+        record.status = resp.status_code
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode("utf-8", "replace")
+            record.error = f"HTTP {resp.status_code}: {body[:300]}"
+            return
+        sse, done = _SSE(), False
+        async for line in resp.aiter_lines():
+            event = sse.feed(line)
+            if event is None:
+                continue
+            now = clock()
+            if event == "[DONE]":
+                done = True
+                break
+            data = json.loads(event)
+            if not isinstance(data, dict):
+                continue
+            if "error" in data:
+                record.error = f"stream error: {json.dumps(data['error'])[:300]}"
+                return
+            if _chunk_text(data):
+                record.chunk_times.append(now)
+            record.finish_reason = _finish_reason(data) or record.finish_reason
+            usage = data.get("usage")
+            if usage:
+                record.prompt_tokens = usage.get("prompt_tokens")
+                if usage.get("completion_tokens") is not None:
+                    record.output_tokens = int(usage["completion_tokens"])
+                    record.output_tokens_from_usage = True
+        record.success = done or record.finish_reason is not None
+        if not record.success:
+            record.error = "stream ended without [DONE] or finish_reason"
+
+
+def make_client(max_connections: int | None = None, timeout: float = 600.0) -> httpx.AsyncClient:
+    """An AsyncClient for benchmarking: no proxies from the environment, enough connections.
+
+    ``trust_env=False`` because a benchmark silently routed through an HTTP proxy measures
+    the proxy.
+    """
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
+                             limits=limits, trust_env=False)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}

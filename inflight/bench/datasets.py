@@ -1,0 +1,353 @@
+"""Request mixes: what each benchmark request asks for, independent of when it is sent.
+
+Datasets (all reproducible from ``seed``):
+
+- ``random``: prompts of ``input_len`` tokens and ``max_tokens = output_len``, each drawn
+  uniformly from ``[len * (1 - range_ratio), len * (1 + range_ratio)]`` (vLLM's
+  ``--random-range-ratio``); text is random words from the sonnet vocabulary, after an
+  optional shared prefix of ``prefix_len`` tokens.
+- ``sonnet``: vLLM's sonnet dataset: a shared prefix cut from the start of
+  ``vllm_sonnet.txt`` (``prefix_len`` tokens) followed by randomly sampled lines, to
+  ``input_len`` tokens.
+- ``trace``: the Azure LLM trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) or the
+  Mooncake JSONL (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``):
+  lengths from the trace (times ``length_scale``, clipped to the caps), arrival times kept
+  for ``--arrival trace``. Mooncake's ``hash_ids`` become shared text blocks, so requests
+  that share prefix blocks in the trace share prompt prefixes here.
+- ``chat``: the first turn of the MT-Bench or Vicuna-Bench questions.
+
+Prompt lengths are in tokens as counted by a :class:`~inflight.bench.prompts.TokenCounter`;
+exact only when that counter is (server ``/tokenize`` or a local tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import datetime as dt
+import json
+import os
+import pathlib
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from inflight.bench.prompts import TokenCounter, fit_prompt
+
+SONNET_FILE = "vllm_sonnet.txt"
+AZURE_CONV_FILE = "azure_llm_2023_conv_1815-1900.csv"
+CHAT_FILES = {"mt_bench": "mt_bench_questions.jsonl", "vicuna": "vicuna_bench_questions.jsonl"}
+MOONCAKE_BLOCK_TOKENS = 512  # the trace's hash block size (Mooncake FAST'25 README)
+
+
+def default_data_dir() -> pathlib.Path:
+    """``$INFLIGHT_DATA_DIR``, else ``<repo root>/../shared/data`` (next to the checkout)."""
+    env = os.environ.get("INFLIGHT_DATA_DIR")
+    if env:
+        return pathlib.Path(env)
+    repo_root = pathlib.Path(__file__).resolve().parents[2]
+    return (repo_root / ".." / "shared" / "data").resolve()
+
+
+@dataclass
+class RequestSpec:
+    """One request of the mix. Lengths in tokens."""
+
+    prompt: str | None  # text for /v1/completions (None for chat-only specs)
+    messages: list[dict] | None  # messages for /v1/chat/completions
+    prompt_len: int | None  # tokens as counted by the dataset's counter; None if unknown
+    output_len: int  # max_tokens
+    ignore_eos: bool
+    trace_time: float | None = None  # seconds since the first trace row, unscaled
+    exact: bool = False  # prompt_len is the server's exact count
+    meta: dict = field(default_factory=dict)
+
+    def as_messages(self) -> list[dict]:
+        return self.messages or [{"role": "user", "content": self.prompt or ""}]
+
+    def as_text(self) -> str:
+        if self.prompt is not None:
+            return self.prompt
+        return "\n".join(m["content"] for m in self.messages or [])
+
+
+@dataclass
+class TraceRow:
+    time: float  # seconds since the first row of the file
+    input_len: int
+    output_len: int
+    hash_ids: list[int] | None = None
+
+
+@dataclass
+class DatasetConfig:
+    """Everything that defines a request mix; saved verbatim with every result."""
+
+    name: str = "random"  # random | sonnet | trace | chat
+    num_prompts: int = 100
+    seed: int = 0
+    data_dir: str | None = None
+    input_len: int = 256  # random / sonnet
+    output_len: int = 64  # random / sonnet / chat max_tokens
+    range_ratio: float = 0.0  # random
+    prefix_len: int = 0  # random / sonnet shared prefix, tokens
+    trace_file: str | None = None
+    trace_format: str = "auto"  # auto | azure | mooncake
+    trace_skip: int = 0  # rows skipped at the start of the trace
+    length_scale: float = 1.0  # multiplies trace prompt and output lengths
+    min_input_len: int = 1
+    max_input_len: int | None = None
+    min_output_len: int = 1
+    max_output_len: int | None = None
+    prefix_blocks: bool = True  # Mooncake hash_ids -> shared prefix text
+    chat_file: str = "mt_bench"  # mt_bench | vicuna | a path
+    ignore_eos: bool | None = None  # None: True except for chat
+
+    def resolved_data_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.data_dir) if self.data_dir else default_data_dir()
+
+    def describe(self) -> dict:
+        d = asdict(self)
+        d["data_dir"] = str(self.resolved_data_dir())
+        d["ignore_eos"] = self.effective_ignore_eos()
+        if self.name == "trace":
+            d["trace_file"] = str(self.trace_path())
+        return d
+
+    def effective_ignore_eos(self) -> bool:
+        return self.ignore_eos if self.ignore_eos is not None else self.name != "chat"
+
+    def trace_path(self) -> pathlib.Path:
+        return _resolve(self.trace_file or AZURE_CONV_FILE, self.resolved_data_dir())
+
+
+def _resolve(name: str, data_dir: pathlib.Path) -> pathlib.Path:
+    p = pathlib.Path(name)
+    return p if p.is_absolute() or p.exists() else data_dir / p
+
+
+# ---------------------------------------------------------------- trace files
+
+def _parse_azure_time(s: str) -> int:
+    """Azure ``TIMESTAMP`` as integer 100 ns ticks since the epoch (UTC, no timezone given).
+
+    Seven fractional digits do not fit datetime's microseconds, and a float of seconds
+    since 1970 keeps only about 0.2 us: integers keep inter-arrival times exact.
+    """
+    whole, _, frac = s.strip().partition(".")
+    base = dt.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=dt.timezone.utc)
+    return int(base.timestamp()) * 10_000_000 + int((frac + "0000000")[:7])
+
+
+def load_trace(path: str | pathlib.Path, fmt: str = "auto") -> list[TraceRow]:
+    """Rows of an Azure CSV or Mooncake JSONL trace; ``time`` relative to the first row (s)."""
+    path = pathlib.Path(path)
+    if fmt == "auto":
+        with path.open() as f:
+            first = f.readline().lstrip()
+        fmt = "mooncake" if first.startswith("{") else "azure"
+    rows: list[TraceRow] = []
+    if fmt == "azure":
+        with path.open(newline="") as f:
+            raw = [(_parse_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+                   for r in csv.DictReader(f)]
+        t0 = raw[0][0] if raw else 0
+        rows = [TraceRow((t - t0) / 1e7, i, o) for t, i, o in raw]
+    elif fmt == "mooncake":
+        with path.open() as f:
+            for line in f:
+                if line.strip():
+                    o = json.loads(line)
+                    rows.append(TraceRow(o["timestamp"], int(o["input_length"]),
+                                         int(o["output_length"]), list(o.get("hash_ids") or [])))
+        t0 = rows[0].time if rows else 0
+        for r in rows:
+            r.time = (r.time - t0) / 1000.0
+    else:
+        raise ValueError(f"unknown trace format {fmt!r} (azure, mooncake)")
+    return rows
+
+
+def scale_length(n: int, scale: float, lo: int, hi: int | None) -> int:
+    """``round(n * scale)`` clipped to ``[lo, hi]`` (tokens)."""
+    v = max(lo, int(round(n * scale)))
+    return min(v, hi) if hi is not None else v
+
+
+# ---------------------------------------------------------------- text sources
+
+_FALLBACK_WORDS = ("time beauty love summer rose heart eyes world night day truth youth age "
+                   "sweet fair light gold face mind praise verse spring winter").split()
+
+
+def _sonnet_lines(data_dir: pathlib.Path) -> list[str]:
+    p = data_dir / SONNET_FILE
+    if not p.exists():
+        # The random dataset must not depend on the data folder; any English-ish text will do.
+        return [" ".join(_FALLBACK_WORDS[i:] + _FALLBACK_WORDS[:i]) for i in range(len(_FALLBACK_WORDS))]
+    return [ln.strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+
+
+def _random_line_words(lines: Sequence[str], rng: np.random.Generator, n_words: int) -> list[str]:
+    words: list[str] = []
+    while len(words) < n_words:
+        words.extend(lines[int(rng.integers(len(lines)))].split())
+    return words
+
+
+def _random_words(vocab: Sequence[str], rng: np.random.Generator, n_words: int) -> list[str]:
+    return [vocab[i] for i in rng.integers(len(vocab), size=n_words)]
+
+
+# ---------------------------------------------------------------- builders
+
+async def _fit_all(counter: TokenCounter, jobs: list[tuple[list[str], int, str]]):
+    return await asyncio.gather(*(fit_prompt(counter, w, t, prefix=p) for w, t, p in jobs))
+
+
+async def _shared_prefix(counter: TokenCounter, words: list[str], n_tokens: int) -> str:
+    if n_tokens <= 0:
+        return ""
+    base = await counter.count("")  # special tokens the server adds; the prefix excludes them
+    fitted = await fit_prompt(counter, words, n_tokens + base)
+    return fitted.text + "\n"
+
+
+def _ranged(rng: np.random.Generator, n: int, center: int, ratio: float) -> np.ndarray:
+    lo, hi = max(1, int(center * (1 - ratio))), max(1, int(center * (1 + ratio)))
+    return rng.integers(lo, hi + 1, size=n)
+
+
+async def build_random(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[RequestSpec]:
+    rng = np.random.default_rng(cfg.seed)
+    vocab = sorted({w for ln in _sonnet_lines(cfg.resolved_data_dir()) for w in ln.split()})
+    prefix = await _shared_prefix(counter, _random_words(vocab, rng, cfg.prefix_len + 16), cfg.prefix_len)
+    in_lens = _ranged(rng, n, cfg.input_len, cfg.range_ratio)
+    out_lens = _ranged(rng, n, cfg.output_len, cfg.range_ratio)
+    jobs = [(_random_words(vocab, rng, int(t) + 16), int(t), prefix) for t in in_lens]
+    fitted = await _fit_all(counter, jobs)
+    return [RequestSpec(f.text, None, f.num_tokens, int(o), cfg.effective_ignore_eos(), exact=f.exact)
+            for f, o in zip(fitted, out_lens)]
+
+
+async def build_sonnet(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[RequestSpec]:
+    rng = np.random.default_rng(cfg.seed)
+    lines = _sonnet_lines(cfg.resolved_data_dir())
+    prefix_words = " ".join(lines).split()
+    prefix = await _shared_prefix(counter, prefix_words, cfg.prefix_len)
+    jobs = [(_random_line_words(lines, rng, cfg.input_len + 16), cfg.input_len, prefix) for _ in range(n)]
+    fitted = await _fit_all(counter, jobs)
+    return [RequestSpec(f.text, None, f.num_tokens, cfg.output_len, cfg.effective_ignore_eos(), exact=f.exact)
+            for f in fitted]
+
+
+class _BlockTexts:
+    """Mooncake hash id -> a fixed block of about ``block_tokens`` tokens of sonnet lines.
+
+    Blocks are not fitted one by one (a 30-minute slice has tens of thousands of distinct
+    ids); the words-per-token ratio measured once sizes them, and the request's last part
+    is fitted so the whole prompt is exact.
+    """
+
+    def __init__(self, lines: list[str], seed: int, block_tokens: int, tokens_per_word: float):
+        self._lines, self._seed = lines, seed
+        self._n_words = max(1, int(round(block_tokens / max(tokens_per_word, 1e-6))))
+        self._cache: dict[int, list[str]] = {}
+
+    def words(self, h: int, n_words: int | None = None) -> list[str]:
+        if h not in self._cache:
+            rng = np.random.default_rng([self._seed, h])
+            self._cache[h] = _random_line_words(self._lines, rng, self._n_words)[: self._n_words]
+        w = self._cache[h]
+        return w if n_words is None else (w * (n_words // max(1, len(w)) + 1))[:n_words]
+
+
+async def _tokens_per_word(counter: TokenCounter, lines: list[str]) -> float:
+    sample = " ".join(lines[:64])
+    return max(1e-6, (await counter.count(sample) - await counter.count("")) / max(1, len(sample.split())))
+
+
+async def build_trace(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[RequestSpec]:
+    rows = load_trace(cfg.trace_path(), cfg.trace_format)[cfg.trace_skip: cfg.trace_skip + n]
+    lines = _sonnet_lines(cfg.resolved_data_dir())
+    block_tokens = max(1, int(round(MOONCAKE_BLOCK_TOKENS * cfg.length_scale)))
+    blocks = _BlockTexts(lines, cfg.seed, block_tokens, await _tokens_per_word(counter, lines))
+    jobs = []
+    for i, row in enumerate(rows):
+        in_len = scale_length(row.input_len, cfg.length_scale, cfg.min_input_len, cfg.max_input_len)
+        rng = np.random.default_rng([cfg.seed, cfg.trace_skip + i])
+        if row.hash_ids and cfg.prefix_blocks:
+            jobs.append(_block_prompt(counter, blocks, row.hash_ids, in_len, block_tokens))
+        else:
+            jobs.append(fit_prompt(counter, _random_line_words(lines, rng, in_len + 16), in_len))
+    fitted = await asyncio.gather(*jobs)
+    specs = []
+    for row, f in zip(rows, fitted):
+        out_len = scale_length(row.output_len, cfg.length_scale, cfg.min_output_len, cfg.max_output_len)
+        meta = {"trace_input_len": row.input_len, "trace_output_len": row.output_len}
+        if row.hash_ids is not None:
+            meta["num_hash_blocks"] = len(row.hash_ids)
+        specs.append(RequestSpec(f.text, None, f.num_tokens, out_len, cfg.effective_ignore_eos(),
+                                 trace_time=row.time, exact=f.exact, meta=meta))
+    return specs
+
+
+async def _block_prompt(counter: TokenCounter, blocks: _BlockTexts, hash_ids: list[int],
+                        in_len: int, block_tokens: int):
+    full = min(len(hash_ids), in_len // block_tokens)
+    while True:
+        prefix = "\n".join(" ".join(blocks.words(h)) for h in hash_ids[:full])
+        # A block boundary is a newline: requests sharing the first j ids share j blocks of text.
+        prefix = prefix + "\n" if prefix else ""
+        if full == 0 or await counter.count(prefix) <= in_len:
+            break
+        full -= 1
+    tail_id = hash_ids[full] if full < len(hash_ids) else hash_ids[-1] + 1_000_003
+    return await fit_prompt(counter, blocks.words(tail_id, in_len + 16), in_len, prefix=prefix)
+
+
+def _load_chat(cfg: DatasetConfig) -> list[dict]:
+    name = CHAT_FILES.get(cfg.chat_file, cfg.chat_file)
+    path = _resolve(name, cfg.resolved_data_dir())
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[RequestSpec]:
+    questions = _load_chat(cfg)
+    order = np.random.default_rng(cfg.seed).permutation(len(questions))
+    specs = []
+    for i in range(n):
+        q = questions[int(order[i % len(order)])]
+        text = q["turns"][0]
+        specs.append(RequestSpec(text, [{"role": "user", "content": text}], None, cfg.output_len,
+                                 cfg.effective_ignore_eos(),
+                                 meta={"question_id": q.get("question_id"), "category": q.get("category")}))
+    return specs
+
+
+BUILDERS = {"random": build_random, "sonnet": build_sonnet, "trace": build_trace, "chat": build_chat}
+
+
+async def build_dataset(cfg: DatasetConfig, counter: TokenCounter, n: int | None = None) -> list[RequestSpec]:
+    """``n`` (default ``cfg.num_prompts``) request specs of the configured dataset."""
+    if cfg.name not in BUILDERS:
+        raise ValueError(f"unknown dataset {cfg.name!r} ({', '.join(BUILDERS)})")
+    return await BUILDERS[cfg.name](cfg, counter, cfg.num_prompts if n is None else n)
+
+
+def summarize_specs(specs: Sequence[RequestSpec]) -> dict:
+    """Prompt and output length statistics (tokens) of a mix, for the result's fixed part."""
+    def stats(vals):
+        if not vals:
+            return None
+        a = np.asarray(vals, dtype=float)
+        return {"mean": float(a.mean()), "min": int(a.min()), "median": float(np.median(a)), "max": int(a.max())}
+    return {
+        "num_requests": len(specs),
+        "prompt_len": stats([s.prompt_len for s in specs if s.prompt_len is not None]),
+        "output_len": stats([s.output_len for s in specs]),
+        "exact_prompt_lens": all(s.exact for s in specs) if specs else False,
+    }
+

@@ -1,0 +1,258 @@
+"""One benchmark run: prepare a request mix once, then replay it at a given load.
+
+A :class:`Session` holds what stays fixed across the points of a sweep or a capacity search
+(server, model, request mix, token counter); :func:`run_point` sends the mix on an arrival
+schedule and returns the records, the summary and the scraped server metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import httpx
+
+from inflight.bench import arrivals
+from inflight.bench.client import RequestRecord, auth_headers, build_payload, endpoint_path, stream_request
+from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs
+from inflight.bench.metrics_scrape import Scraper, Snapshot, counter_deltas
+from inflight.bench.prompts import make_counter
+from inflight.bench.stats import SLO, summarize
+
+
+@dataclass
+class LoadConfig:
+    """How requests are sent (not when: see :class:`ArrivalConfig`). Times in seconds."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None: the first model of GET /v1/models
+    endpoint: str | None = None  # completions | chat; None: chat for the chat dataset
+    api_key: str | None = None
+    temperature: float | None = 0.0
+    extra_body: dict = field(default_factory=dict)
+    request_timeout: float = 600.0
+    max_concurrency: int | None = None
+    num_warmups: int = 0
+    scrape_metrics: bool = True
+    metrics_interval: float = 1.0
+    tokenize: str = "auto"  # auto | server | local | approx
+    tokenizer: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class ArrivalConfig:
+    """When requests are sent: a process and its rate, or the trace's times scaled."""
+
+    process: str = "poisson"  # poisson | gamma | constant | trace
+    rate: float = math.inf  # requests/s
+    burstiness: float = 1.0
+    time_scale: float = 1.0  # trace only
+    seed: int = 0
+    duration: float | None = None  # stop sending after this many seconds
+
+    def describe(self) -> dict:
+        d = dict(self.__dict__)
+        d["rate"] = "inf" if math.isinf(self.rate) else self.rate
+        return d
+
+
+@dataclass
+class Session:
+    client: httpx.AsyncClient
+    load: LoadConfig
+    dataset: DatasetConfig
+    model: str
+    endpoint: str
+    tokenizer_mode: str
+    specs: list[RequestSpec]
+    warmups: list[RequestSpec]
+    server_models: list[dict]
+    server_info: dict
+    prepare_seconds: float
+    warmed_up: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.load.api_key)
+
+    def fixed(self) -> dict:
+        """What must stay the same for two results to be compared fairly."""
+        return {
+            "model": self.model,
+            "endpoint": self.endpoint,
+            "server_models": self.server_models,
+            "server_info": self.server_info,
+            "dataset": self.dataset.describe(),
+            "lengths": summarize_specs(self.specs),
+            "tokenizer": self.tokenizer_mode,
+            "temperature": self.load.temperature,
+            "extra_body": self.load.extra_body,
+            "cache_state": {"warmup_requests": len(self.warmups),
+                            "shared_prefix_tokens": self.dataset.prefix_len
+                            if self.dataset.name in ("random", "sonnet") else None,
+                            "trace_prefix_blocks": self.dataset.prefix_blocks
+                            if self.dataset.name == "trace" else None},
+        }
+
+
+@dataclass
+class PointResult:
+    arrival: ArrivalConfig
+    records: list[RequestRecord]
+    summary: dict
+    metrics_samples: list[dict]
+    metrics_before: Snapshot | None
+    metrics_after: Snapshot | None
+    started_at: float  # time.time() at t = 0
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return counter_deltas(self.metrics_before, self.metrics_after)
+
+    @property
+    def preemptions(self) -> float | None:
+        if self.metrics_before is None or self.metrics_after is None:
+            return None
+        b, a = self.metrics_before.get("preemptions"), self.metrics_after.get("preemptions")
+        return None if a is None or b is None else a - b
+
+
+async def _server_models(client: httpx.AsyncClient, base_url: str, headers: dict) -> list[dict]:
+    try:
+        resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
+        resp.raise_for_status()
+        return list(resp.json().get("data") or [])
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return []
+
+
+async def open_session(load: LoadConfig, dataset: DatasetConfig, client: httpx.AsyncClient) -> Session:
+    """Ask the server what it serves, pick the token counter, build the request mix.
+
+    ``client`` (see :func:`inflight.bench.client.make_client`) stays the caller's to close.
+    """
+    t = time.perf_counter()
+    headers = auth_headers(load.api_key)
+    models = await _server_models(client, load.base_url, headers)
+    model = load.model or (models[0].get("id") if models else None)
+    if not model:
+        raise RuntimeError(f"no --model given and {load.base_url}/v1/models lists none")
+    endpoint = load.endpoint or ("chat" if dataset.name == "chat" else "completions")
+    counter = await make_counter(load.tokenize if dataset.name != "chat" else "approx", client,
+                                 load.base_url, model, load.tokenizer, headers)
+    all_specs = await build_dataset(dataset, counter, dataset.num_prompts + load.num_warmups)
+    info = (await Scraper(client, load.base_url, headers).scrape()) if load.scrape_metrics else None
+    return Session(client=client, load=load, dataset=dataset, model=model, endpoint=endpoint,
+                   tokenizer_mode="none" if dataset.name == "chat" else counter.mode,
+                   specs=all_specs[load.num_warmups:], warmups=all_specs[: load.num_warmups],
+                   server_models=models, server_info=info.info if info else {},
+                   prepare_seconds=time.perf_counter() - t)
+
+
+def offsets_for(session: Session, arrival: ArrivalConfig) -> list[float]:
+    return arrivals.make_offsets(len(session.specs), arrival.process, arrival.rate, arrival.burstiness,
+                                 arrival.seed, [s.trace_time for s in session.specs], arrival.time_scale)
+
+
+async def _send(session: Session, spec: RequestSpec, record: RequestRecord, clock) -> RequestRecord:
+    url = session.load.base_url.rstrip("/") + endpoint_path(session.endpoint)
+    payload = build_payload(spec, session.endpoint, session.model, session.load.temperature,
+                            session.load.extra_body)
+    record.prompt_len, record.output_len = spec.prompt_len, spec.output_len
+    return await stream_request(session.client, url, payload, record, session.headers,
+                                session.load.request_timeout, clock)
+
+
+async def warm_up(session: Session) -> None:
+    """Send the warm-up requests (not counted) once per session, all at once."""
+    if session.warmed_up or not session.warmups:
+        session.warmed_up = True
+        return
+    t0 = time.perf_counter()
+    clock = lambda: time.perf_counter() - t0  # noqa: E731
+    await asyncio.gather(*(_send(session, s, RequestRecord(i, 0.0, warmup=True), clock)
+                           for i, s in enumerate(session.warmups)))
+    session.warmed_up = True
+
+
+async def wait_idle(session: Session, timeout: float = 30.0) -> None:
+    """Wait (bounded) until the server reports nothing running or waiting, if it reports."""
+    if not session.load.scrape_metrics:
+        return
+    scraper = Scraper(session.client, session.load.base_url, session.headers)
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        snap = await scraper.scrape()
+        if snap is None or not (snap.get("running") or snap.get("waiting")):
+            return
+        await asyncio.sleep(0.2)
+
+
+async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None) -> PointResult:
+    """Send the session's mix on ``arrival``'s schedule; return records and summary.
+
+    Requests are sent at their offsets (the first at t = 0), wait for a slot under
+    ``max_concurrency``, and stop being sent once an offset passes ``duration``; requests
+    already sent run to completion, each bounded by ``request_timeout``.
+    """
+    await warm_up(session)
+    await wait_idle(session)
+    offsets = offsets_for(session, arrival)
+    if arrival.duration is not None:
+        offsets = [o for o in offsets if o <= arrival.duration]
+    scraper = Scraper(session.client, session.load.base_url, session.headers)
+    before = await scraper.scrape() if session.load.scrape_metrics else None
+    sem = asyncio.Semaphore(session.load.max_concurrency) if session.load.max_concurrency else None
+    bar = _progress(len(offsets), session.load.progress)
+    stop = asyncio.Event()
+    started_at, t0 = time.time(), time.perf_counter()
+    clock = lambda: time.perf_counter() - t0  # noqa: E731
+    scrape_task = (asyncio.create_task(scraper.run(stop, session.load.metrics_interval, t0))
+                   if before is not None else None)
+
+    async def one(i: int, spec: RequestSpec, offset: float) -> RequestRecord:
+        record = RequestRecord(i, offset)
+        if sem is None:
+            await _send(session, spec, record, clock)
+        else:
+            async with sem:
+                await _send(session, spec, record, clock)
+        if bar is not None:
+            bar.update(1)
+        return record
+
+    tasks = []
+    for i, (spec, offset) in enumerate(zip(session.specs, offsets)):
+        delay = offset - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, spec, offset)))
+    records = list(await asyncio.gather(*tasks))
+    stop.set()
+    if scrape_task is not None:
+        await scrape_task
+    after = await scraper.scrape() if before is not None else None
+    if bar is not None:
+        bar.close()
+    summary = summarize(records, slo)
+    result = PointResult(arrival, records, summary, scraper.samples, before, after, started_at)
+    summary["preemptions"] = result.preemptions
+    # Growth of every server counter (prefix-cache hits, tokens, ...): the cache state a
+    # point ran under, recorded next to its latencies.
+    summary["server_counters"] = result.counters
+    return result
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="requests", unit="req", leave=False)
+
+
+def records_json(records: Sequence[RequestRecord]) -> list[dict]:
+    return [r.to_json() for r in records]

@@ -1,0 +1,194 @@
+"""A small fake OpenAI-compatible server with scripted token timings, for the bench tests.
+
+Each request's timing comes from a ``plan`` callable (async, so it may queue on a lock to
+model a busy engine): wait ``ttft`` seconds, send the first token chunk, then one chunk per
+entry of ``gaps``. Tokens are "tok" strings; ``usage`` reports ``len(gaps) + 1`` chunks x
+``tokens_per_chunk`` completion tokens and the prompt's token count from the same toy
+tokenizer as ``/tokenize`` (one token per 4 characters of each word, plus a BOS).
+
+Runs in a thread of the test process (``FakeServer``) or as a script (``--port``, ``--ttft``)
+for the ``--serve-cmd`` tests. Listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+
+def toy_count(text: str) -> int:
+    """BOS + ceil(len(word) / 4) per whitespace word: some words cost several tokens."""
+    return 1 + sum(math.ceil(len(w) / 4) for w in text.split())
+
+
+@dataclass
+class Plan:
+    ttft: float = 0.0  # s before the first token chunk
+    gaps: list[float] = field(default_factory=list)  # s before each further chunk
+    tokens_per_chunk: int = 1
+    status: int = 200
+    usage: bool = True
+    error_after: int | None = None  # send an error event after this many chunks
+
+
+PlanFn = Callable[[dict, int], Awaitable[Plan]]
+
+
+async def default_plan(body: dict, index: int) -> Plan:
+    return Plan(ttft=0.0, gaps=[0.0] * max(0, int(body.get("max_tokens", 4)) - 1))
+
+
+@dataclass
+class ServerState:
+    plan: PlanFn = default_plan
+    tokenize: bool = True
+    preemptions_per_request: float = 0.0
+    arrivals: list[float] = field(default_factory=list)  # time.perf_counter() per request
+    bodies: list[dict] = field(default_factory=list)
+    running: int = 0
+    preemptions: float = 0.0
+
+
+def make_app(state: ServerState) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": 4096}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: Request):
+        if not state.tokenize:
+            return JSONResponse({"error": "no"}, status_code=404)
+        body = await req.json()
+        n = toy_count(body["prompt"])
+        return {"tokens": list(range(n)), "count": n, "max_model_len": 4096}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(
+            "# HELP inflight:num_requests_running r\n# TYPE inflight:num_requests_running gauge\n"
+            f"inflight:num_requests_running{{model_name=\"fake-model\"}} {state.running}\n"
+            "# HELP inflight:num_requests_waiting w\n# TYPE inflight:num_requests_waiting gauge\n"
+            "inflight:num_requests_waiting{model_name=\"fake-model\"} 0\n"
+            "# HELP inflight:kv_cache_usage_perc kv\n# TYPE inflight:kv_cache_usage_perc gauge\n"
+            f"inflight:kv_cache_usage_perc{{model_name=\"fake-model\"}} {min(1.0, state.running / 8)}\n"
+            "# HELP inflight:num_preemptions_total p\n# TYPE inflight:num_preemptions_total counter\n"
+            f"inflight:num_preemptions_total{{model_name=\"fake-model\"}} {state.preemptions}\n"
+            "# HELP inflight:cache_config_info c\n# TYPE inflight:cache_config_info gauge\n"
+            "inflight:cache_config_info{block_size=\"16\",num_gpu_blocks=\"64\"} 1.0\n")
+
+    async def handle(req: Request, chat: bool):
+        state.arrivals.append(time.perf_counter())
+        body = await req.json()
+        index = len(state.bodies)
+        state.bodies.append(body)
+        plan = await state.plan(body, index)
+        if plan.status != 200:
+            return JSONResponse({"error": {"message": "scripted failure", "type": "server_error",
+                                           "param": None, "code": plan.status}}, status_code=plan.status)
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        return StreamingResponse(_stream(state, plan, chat, toy_count(prompt)), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        return await handle(req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: Request):
+        return await handle(req, chat=True)
+
+    return app
+
+
+def _chunk(chat: bool, text: str, finish: str | None = None) -> str:
+    if chat:
+        choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+    return "data: " + json.dumps({"id": "x", "object": "chunk", "choices": [choice]}) + "\n\n"
+
+
+async def _stream(state: ServerState, plan: Plan, chat: bool, prompt_tokens: int):
+    state.running += 1
+    try:
+        if chat:
+            # A role-only first chunk, as vLLM and OpenAI send: not a token.
+            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
+        delays = [plan.ttft, *plan.gaps]
+        text = "tok" * plan.tokens_per_chunk
+        for i, d in enumerate(delays):
+            await asyncio.sleep(d)
+            if plan.error_after is not None and i == plan.error_after:
+                yield "data: " + json.dumps({"error": {"message": "scripted", "code": 500}}) + "\n\n"
+                return
+            yield _chunk(chat, text, "length" if i == len(delays) - 1 else None)
+        state.preemptions += state.preemptions_per_request
+        if plan.usage:
+            n = len(delays) * plan.tokens_per_chunk
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        state.running -= 1
+
+
+class FakeServer:
+    """Serve ``make_app(state)`` with uvicorn in a daemon thread on a free 127.0.0.1 port."""
+
+    def __init__(self, state: ServerState | None = None) -> None:
+        self.state = state or ServerState()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(make_app(self.state), log_level="warning", lifespan="off",
+                                timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def __enter__(self) -> "FakeServer":
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--ttft", type=float, default=0.0)
+    args = ap.parse_args()
+
+    async def plan(body: dict, index: int) -> Plan:
+        return Plan(ttft=args.ttft, gaps=[0.0] * max(0, int(body.get("max_tokens", 4)) - 1))
+
+    uvicorn.run(make_app(ServerState(plan=plan)), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The command line: serve, sweep (also with --serve-cmd) and capacity write what they say."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+import pathlib
+import socket
+import sys
+
+import pytest
+from bench_fake_openai import Plan, ServerState
+
+from inflight.bench.__main__ import main
+from inflight.bench.cli import add_bench_parser, run_bench
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "inflight" / "bench"
+
+
+def common(base_url, data_dir) -> list[str]:
+    return ["--base-url", base_url, "--data-dir", str(data_dir), "--disable-tqdm", "--input-len", "8",
+            "--output-len", "3"]
+
+
+def test_parser_contract():
+    parser = argparse.ArgumentParser(prog="inflight")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "serve", "--dataset", "sonnet", "--request-rate", "inf",
+                              "--slo", "ttft=1"])
+    assert args.bench_command == "serve" and args.dataset == "sonnet"
+    assert args.request_rate == float("inf")
+    assert run_bench(parser.parse_args(["bench"])) == 2  # no sub-command: help, usage error
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "serve", "--request-rate", "0"])
+
+
+def test_serve_writes_json_and_plot(fake_server, data_dir, tmp_path, capsys):
+    srv = fake_server()
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["serve", *common(srv.base_url, data_dir), "--num-prompts", "6", "--request-rate", "50",
+               "--arrival", "gamma", "--burstiness", "0.5", "--slo", "ttft=1s,ttft_p95=2s",
+               "--save-result", str(out), "--plot", str(png), "--metrics-interval", "0.05"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "Successful requests:" in table and "Goodput (req/s):" in table and "TTFT" in table
+    result = json.loads(out.read_text())
+    # The process's command line (here pytest's) and every parsed option.
+    assert result["kind"] == "serve" and isinstance(result["command"], str)
+    assert result["args"]["num_prompts"] == 6 and result["args"]["slo"] == "ttft=1s,ttft_p95=2s"
+    assert result["summary"]["completed"] == 6 and result["summary"]["good_requests"] == 6
+    assert len(result["requests"]) == 6 and result["requests"][0]["chunk_times"]
+    fixed = result["fixed"]
+    assert fixed["model"] == "fake-model" and fixed["tokenizer"] == "server"
+    assert fixed["dataset"]["input_len"] == 8 and fixed["lengths"]["prompt_len"]["max"] == 8
+    assert fixed["server_info"]["inflight:cache_config_info"]["num_gpu_blocks"] == "64"
+    assert result["arrival"]["burstiness"] == 0.5 and result["arrival"]["process"] == "gamma"
+    assert result["server_metrics"]["samples"] and "api_key" not in result["args"]
+    assert png.stat().st_size > 10_000
+
+
+def test_usage_errors(fake_server, data_dir, capsys):
+    srv = fake_server()
+    assert main(["serve", *common(srv.base_url, data_dir), "--burstiness", "2"]) == 2
+    assert main(["serve", *common(srv.base_url, data_dir), "--arrival", "trace"]) == 2
+    assert main(["capacity", *common(srv.base_url, data_dir), "--slo", "ttft=1"]) == 2
+    assert main(["sweep", *common(srv.base_url, data_dir), "--values", "1,2"]) == 2
+    assert "needs" in capsys.readouterr().err
+
+
+def test_unreachable_server_is_exit_1(data_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", *common(f"http://127.0.0.1:{port}", data_dir), "--model", "m", "--num-prompts", "2",
+                 "--request-timeout", "5"]) == 1
+
+
+def test_sweep_rows_csv_and_plot(fake_server, data_dir, tmp_path):
+    async def plan(body, i):
+        return Plan(ttft=0.01, gaps=[0.01, 0.01])
+    srv = fake_server(ServerState(plan=plan))
+    out, csv_path, png = tmp_path / "s.json", tmp_path / "s.csv", tmp_path / "s.png"
+    rc = main(["sweep", *common(srv.base_url, data_dir), "--num-prompts", "4", "--request-rates", "20,40",
+               "--slo", "ttft_p95=0.5,itl_p95=0.1", "--save-result", str(out), "--save-csv", str(csv_path),
+               "--plot", str(png), "--no-metrics"])
+    assert rc == 0
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [float(r["rate"]) for r in rows] == [20.0, 40.0]
+    assert all(r["completed"] == "4" and float(r["ttft_p95"]) > 0.01 for r in rows)
+    result = json.loads(out.read_text())
+    assert result["slo"] == {"ttft_p95": 0.5, "itl_p95": 0.1} and len(result["points"]) == 2
+    assert png.stat().st_size > 10_000
+
+
+def test_sweep_trace_time_scales(fake_server, data_dir, tmp_path):
+    srv = fake_server()
+    out = tmp_path / "t.json"
+    rc = main(["sweep", *common(srv.base_url, data_dir), "--dataset", "trace", "--arrival", "trace",
+               "--num-prompts", "4", "--length-scale", "0.01", "--max-output-len", "2", "--time-scales",
+               "0.02,0.01", "--save-result", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["time_scale"] for r in rows] == [0.02, 0.01]
+    # Halving the time scale doubles the offered rate.
+    assert rows[1]["offered_rate"] == pytest.approx(2 * rows[0]["offered_rate"], rel=1e-9)
+
+
+def test_capacity_cli(fake_server, data_dir, tmp_path, capsys):
+    async def plan(body, i):
+        return Plan(ttft=0.0, gaps=[0.0])
+    srv = fake_server(ServerState(plan=plan, preemptions_per_request=2.0))
+    out, png = tmp_path / "c.json", tmp_path / "c.png"
+    rc = main(["capacity", *common(srv.base_url, data_dir), "--num-prompts", "3", "--arrival", "constant",
+               "--slo", "ttft_p95=1s", "--rate-start", "50", "--rate-max", "100", "--max-points", "3",
+               "--save-result", str(out), "--plot", str(png)])
+    # Every point thrashes (2 preemptions per request > 1): no load passes.
+    assert rc == 1
+    assert "no load met the SLO" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    curve = result["results"][0]["curve"]
+    assert len(curve) == 3 and all("preemptions per request" in p["reasons"][0] for p in curve)
+    assert result["preemption_threshold"] == 1.0 and png.exists()
+
+    rc = main(["capacity", *common(srv.base_url, data_dir), "--num-prompts", "3", "--arrival", "constant",
+               "--slo", "ttft_p95=1s", "--rate-start", "50", "--rate-max", "100", "--max-points", "2",
+               "--preemption-threshold", "inf", "--repeats", "2", "--save-result", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"][0]
+    assert res["limits"] == [100.0, 100.0] and res["bounded"] is False
+    assert res["spread"]["mean"] == 100.0 and "lower bound" in capsys.readouterr().out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sweep_serve_cmd_starts_and_stops_a_server_per_value(data_dir, tmp_path):
+    port = free_port()
+    script = pathlib.Path(__file__).with_name("bench_fake_openai.py")
+    cmd = f"{sys.executable} {script} --port {port} --ttft {{value}}"
+    out = tmp_path / "k.json"
+    rc = main(["sweep", *common(f"http://127.0.0.1:{port}", data_dir), "--num-prompts", "3",
+               "--request-rates", "inf", "--serve-cmd", cmd, "--values", "0.0,0.2",
+               "--server-start-timeout", "30", "--server-log-dir", str(tmp_path / "logs"), "--save-result", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["value"] for r in rows] == ["0.0", "0.2"]
+    assert rows[0]["ttft_p95"] < 0.2 <= rows[1]["ttft_p95"]
+    # Both servers were stopped: the port is free again.
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    assert (tmp_path / "logs" / "server-0.2.log").exists()
+
+
+def test_bench_imports_nothing_from_the_engine():
+    for path in BENCH_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert not name.startswith("inflight") or name.startswith("inflight.bench"), (path.name, name)
