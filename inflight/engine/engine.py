@@ -268,7 +268,11 @@ class Engine:
             else:
                 now = time.monotonic()
                 for res in results:
-                    self._process_sample(res, now)
+                    try:
+                        self._process_sample(res, now)
+                    except Exception as e:  # fail only the request whose output broke
+                        logger.exception("output of %s failed", res.request.request_id)
+                        self._fail([res.request], f"{type(e).__name__}: {e}")
         return self._collect_outputs()
 
     def _process_sample(self, res: SampleResult, now: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Sequence
 
 from inflight.config import EngineConfig
@@ -88,7 +89,11 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                steps = self.engine.get_stats().num_steps
+                outputs = self.engine.step()
+                if not outputs and self.engine.get_stats().num_steps == steps:
+                    time.sleep(0.001)  # the dynamic policy is holding a batch back
+                for out in outputs:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)

@@ -1,0 +1,431 @@
+"""The engine loop the server uses: ``Engine.step()`` in one background thread.
+
+The asyncio side never runs model work. ``AsyncEngine.add_request`` and ``abort`` only put
+commands on a thread-safe queue; the engine thread drains it between steps, steps while
+anything is unfinished, and hands each request's outputs to that request's
+``asyncio.Queue`` through ``loop.call_soon_threadsafe``. When idle the thread sleeps on an
+event. Torch releases the GIL inside its kernels, so the event loop keeps serving HTTP
+while a step runs.
+
+Every request runs in the engine's streaming (delta) mode; ``RequestStream`` merges
+deltas that pile up between reads, and ``merge_outputs`` accumulates them for callers that
+want one final output (vLLM v1's output processor works the same way).
+
+No request's fault stops the loop: a failed ``add_request`` fails that request, a failed
+model step is turned by ``Engine.step`` into error outputs for the requests in it, and any
+other exception from ``step`` fails the requests then in flight while the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+
+from inflight.engine.engine import Engine, EngineStats
+from inflight.outputs import CompletionOutput, RequestOutput
+from inflight.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A step that scheduled nothing while requests are unfinished (the dynamic policy holding
+# a batch back for ``max_queue_delay``) is retried after this pause instead of spinning.
+_IDLE_POLL_S = 0.002
+# After ``step`` itself raised, back off this long so a persistently broken engine does
+# not spin at 100% CPU failing every new request.
+_FAILURE_BACKOFF_S = 0.1
+
+StepListener = Callable[[EngineStats, list[RequestOutput], float], None]
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests wait already (``max_num_waiting``); retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is stopped (shut down or crashed); no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not run a request (a bug or a failed step, not the client's input)."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of deltas.
+
+    Each item is a ``RequestOutput`` whose completions hold only what is new (text, token
+    ids, logprobs) since the previous item; deltas that arrived together are merged. The
+    last item has ``finished=True`` (``error`` set if the engine failed the request), then
+    iteration stops. ``abort()`` cancels the request; iterating on then yields its final
+    ``finish_reason="abort"`` output.
+
+    Raises (from iteration):
+        ValueError: the engine refused the request (a prompt it cannot hold).
+        RequestFailedError: the engine loop failed while running it.
+        EngineDeadError: the engine loop stopped.
+    """
+
+    def __init__(self, request_id: str, engine: "AsyncEngine",
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    # Called on the engine thread.
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # Merge what else is already queued, so a slow reader gets one chunk, not a backlog.
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._queue.put_nowait(nxt)  # deliver the output first, the error next
+                break
+            item = merge_outputs(item, nxt)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request if it has not finished (idempotent, never blocks)."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Drives an ``Engine`` from a background thread for an asyncio server.
+
+    Args:
+        engine: the synchronous engine; from ``start()`` on only the engine thread touches it.
+        max_num_waiting: bound on sequences waiting for admission (queued commands plus the
+            scheduler's waiting queue) beyond the free running slots
+            (``max_num_seqs - running``); ``add_request`` past it raises
+            ``EngineOverloadedError``. None: unbounded.
+        log_interval_s: seconds between stats log lines while busy; 0 disables them.
+        listeners: called on the engine thread after every step as
+            ``listener(stats, outputs, now)`` (``now`` on the ``time.monotonic()`` clock);
+            metrics hook in here. A listener that raises is logged and otherwise ignored.
+    """
+
+    def __init__(self, engine: Engine, *, max_num_waiting: int | None = None,
+                 log_interval_s: float = 10.0, listeners: Sequence[StepListener] = ()) -> None:
+        if max_num_waiting is not None and max_num_waiting < 0:
+            raise ValueError(f"max_num_waiting: must be >= 0 or None, got {max_num_waiting!r}")
+        self.engine = engine
+        self.max_num_waiting = max_num_waiting
+        self.listeners: list[StepListener] = list(listeners)
+        if log_interval_s > 0:
+            self.listeners.append(StatsLogger(log_interval_s))
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _num_pending and _streams
+        self._num_pending = 0  # sequences queued as add commands, not yet in the scheduler
+        self._streams: dict[str, RequestStream] = {}
+        self._stats = engine.get_stats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: str | None = None
+
+    # --- passthroughs the HTTP layer needs (read-only after construction) ---------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and accepting requests."""
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and self._dead is None)
+
+    def get_stats(self) -> EngineStats:
+        """The engine's stats as of the end of the last loop iteration (never blocks)."""
+        return self._stats
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for admission, queued commands included."""
+        with self._lock:
+            return self._num_pending + self._stats.num_waiting
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop accepting requests, abort those in flight, and join the engine thread.
+
+        Aborted requests still receive their final ``finish_reason="abort"`` output.
+        """
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("engine thread did not stop within %.1f s", timeout)
+
+    # --- requests (event-loop side) -------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    sampling_params: SamplingParams, *,
+                    arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns its ``RequestStream`` at once.
+
+        Must be called from a running event loop (the outputs are delivered to it).
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt: token ids (validated by the caller) or text.
+            sampling_params: validated parameters.
+            arrival_time: ``time.monotonic()`` seconds when the request arrived; TTFT and
+                queue time count from here. Now when None.
+
+        Raises:
+            EngineOverloadedError: ``max_num_waiting`` sequences already wait.
+            EngineDeadError: the engine loop is not running.
+            ValueError: ``request_id`` is already in flight.
+        """
+        if not self.is_running:
+            raise EngineDeadError(self._dead or "the engine is not running")
+        loop = asyncio.get_running_loop()
+        n = sampling_params.n
+        stream = RequestStream(request_id, self, loop)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            waiting = self._num_pending + self._stats.num_waiting
+            # Sequences the next step can admit into free running slots do not queue.
+            free_slots = max(0, self.engine.config.max_num_seqs - self._stats.num_running)
+            if self.max_num_waiting is not None \
+                    and waiting + n > self.max_num_waiting + free_slots:
+                raise EngineOverloadedError(
+                    f"the server is overloaded: {waiting} sequences are waiting "
+                    f"(max_num_waiting={self.max_num_waiting}); retry later")
+            self._num_pending += n
+            self._streams[request_id] = stream
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._commands.put(("add", request_id, prompt, sampling_params, arrival))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine thread to abort ``request_id`` (no-op if it already finished)."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (shutdown's grace period ran out)."""
+        self._commands.put(("abort_all",))
+        self._wake.set()
+
+    async def generate(self, request_id: str, prompt: str | Sequence[int],
+                       sampling_params: SamplingParams, *,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and iterate its deltas; leaving early (a cancelled task, a
+        ``break``) aborts the request. Raises as ``add_request`` and ``RequestStream``."""
+        stream = self.add_request(request_id, prompt, sampling_params, arrival_time=arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    # --- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        failures = 0
+        try:
+            while True:
+                self._wake.clear()
+                self._drain_commands()
+                if self._stopping:
+                    self._abort_all()
+                if not engine.has_unfinished_requests():
+                    self._publish_stats([], did_step=False)
+                    if self._stopping:
+                        break
+                    self._wake.wait()
+                    continue
+                steps_before = self._stats.num_steps
+                try:
+                    outputs = engine.step()
+                except Exception as e:
+                    failures += 1
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    self._wake.wait(_FAILURE_BACKOFF_S * min(failures, 10))
+                    continue
+                failures = 0
+                self._deliver(outputs)
+                self._publish_stats(outputs, did_step=True)
+                if not outputs and self._stats.num_steps == steps_before:
+                    self._wake.wait(_IDLE_POLL_S)
+        except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
+            self._dead = f"engine loop crashed: {type(e).__name__}: {e}"
+            logger.exception("engine loop crashed")
+            with self._lock:
+                streams = list(self._streams.values())
+                self._streams.clear()
+            for s in streams:
+                s._put(EngineDeadError(self._dead))
+            raise
+        finally:
+            self._dead = self._dead or "the engine is shut down"
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, arrival = cmd
+                try:
+                    self.engine.add_request(rid, prompt, params, stream=True, arrival_time=arrival)
+                except Exception as e:
+                    with self._lock:
+                        self._num_pending -= params.n
+                        stream = self._streams.pop(rid, None)
+                    if stream is not None:
+                        stream._put(e if isinstance(e, ValueError)
+                                    else RequestFailedError(f"{type(e).__name__}: {e}"))
+                    continue
+                with self._lock:
+                    self._num_pending -= params.n
+                    self._stats = replace(self._stats, num_waiting=self._stats.num_waiting + params.n)
+            elif cmd[0] == "abort_all":
+                self._abort_all()
+            else:
+                try:
+                    self.engine.abort_request(cmd[1])
+                except Exception:
+                    logger.exception("abort of %s failed", cmd[1])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.pop(out.request_id, None) if out.finished \
+                    else self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+
+    def _publish_stats(self, outputs: list[RequestOutput], did_step: bool) -> None:
+        stats = self.engine.get_stats()
+        with self._lock:
+            self._stats = stats
+        if not did_step:
+            return
+        now = time.monotonic()
+        for listener in self.listeners:
+            try:
+                listener(stats, outputs, now)
+            except Exception:
+                logger.exception("step listener %r failed", listener)
+
+    def _abort_all(self) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.engine.abort_request(rid)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+            self._streams.clear()
+        for rid, stream in streams:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+            stream._put(RequestFailedError(message))
+
+
+def merge_outputs(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Fold the delta ``new`` into ``acc`` (same request); returns a new output.
+
+    Text, token ids and logprobs of each completion (by ``index``) are concatenated; status
+    fields (``finish_reason``, ``finished``, ``metrics``, ``error``) come from ``new``.
+    """
+    by_index = {c.index: c for c in acc.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            by_index[c.index] = replace(c, token_ids=list(c.token_ids))
+            continue
+        logprobs = None
+        if old.logprobs is not None or c.logprobs is not None:
+            logprobs = list(old.logprobs or []) + list(c.logprobs or [])
+        by_index[c.index] = CompletionOutput(
+            index=c.index, text=old.text + c.text, token_ids=list(old.token_ids) + list(c.token_ids),
+            logprobs=logprobs, finish_reason=c.finish_reason or old.finish_reason,
+            stop_reason=c.stop_reason if c.finish_reason else old.stop_reason)
+    return replace(new, outputs=[by_index[i] for i in sorted(by_index)])
+
+
+class StatsLogger:
+    """Logs one line every ``interval_s`` seconds while the engine steps.
+
+    Running and waiting sequences, KV cache usage, prompt and generation throughput
+    (tokens/s over the interval, recomputation after preemption included) and preemptions.
+    Silent while idle: no step, no line.
+    """
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last: EngineStats | None = None
+        self._last_time = 0.0
+        self._last_step_time = float("-inf")
+
+    def __call__(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
+        idle_gap = now - self._last_step_time > self.interval_s
+        self._last_step_time = now
+        if self._last is None or idle_gap:
+            # The first step after an idle spell starts a fresh interval, so the rates
+            # are not diluted by time nobody was waiting.
+            self._last, self._last_time = stats, now
+            return
+        dt = now - self._last_time
+        if dt < self.interval_s:
+            return
+        last = self._last
+        logger.info(
+            "running: %d, waiting: %d, KV cache usage: %.1f%%, prompt throughput: %.1f tok/s, "
+            "generation throughput: %.1f tok/s, preemptions: %d (+%d)",
+            stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage,
+            (stats.prompt_tokens - last.prompt_tokens) / dt,
+            (stats.generation_tokens - last.generation_tokens) / dt,
+            stats.num_preemptions, stats.num_preemptions - last.num_preemptions)
+        self._last, self._last_time = stats, now

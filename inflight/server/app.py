@@ -1,0 +1,336 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes and ``inflight serve``.
+
+Routes (shapes of OpenAI's API and vLLM's server,
+https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html):
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE or not),
+  ``GET /v1/models``: behind ``--api-key`` when one is set (401 otherwise).
+- ``GET /health`` (200 while the engine loop runs, else 503), ``GET /metrics``
+  (Prometheus), ``GET /stats`` (sliding-window latency percentiles, JSON),
+  ``POST /tokenize``, ``POST /detokenize`` (vLLM's).
+
+The engine steps in a background thread (``AsyncEngine``); routes only validate, tokenize
+(in a worker thread) and wait on their request's queue. A client that disconnects aborts
+its request at once, streamed or not. See docs/server.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from inflight.engine.async_engine import AsyncEngine
+from inflight.server import serving
+from inflight.server.errors import OpenAIError, bad_request, install_error_handlers
+from inflight.server.generation import Generation, ServerContext
+from inflight.server.logprobs import TokenTexts
+from inflight.server.metrics import ServerMetrics
+from inflight.server.middleware import BodySizeLimitMiddleware
+from inflight.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeRequest)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_WAITING = 512
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+API_KEY_ENV = "INFLIGHT_API_KEY"
+
+
+# --- the app ------------------------------------------------------------------------------
+def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stats_window_s: float = 60.0,
+              manage_engine: bool = True) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    Args:
+        engine: the engine loop; started by the app's lifespan (and shut down with it
+            when ``manage_engine``).
+        model_names: names clients may use in ``model``; the first is reported.
+        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
+        max_body_bytes: larger request bodies get 413.
+        stats_window_s: seconds covered by ``/stats`` and the ``*_window`` gauges.
+        manage_engine: shut the engine down when the app stops.
+    """
+    if not model_names:
+        raise ValueError("model_names: at least one name is required")
+    cfg = engine.config
+    metrics = ServerMetrics(engine, window_s=stats_window_s,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            config_labels=_config_labels(engine, model_names[0]))
+    engine.listeners.append(metrics.on_step)
+    ctx = ServerContext(engine, list(model_names), metrics, TokenTexts(engine.tokenizer))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        if manage_engine:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="inflight", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.include_router(_v1_router(ctx, api_key))
+    app.include_router(_ops_router(ctx, metrics))
+    return app
+
+
+def _config_labels(engine: AsyncEngine, name: str) -> dict[str, str]:
+    cfg = engine.config
+    return {"model": name, "block_size": str(cfg.block_size),
+            "num_kv_blocks": str(engine.engine.kv_cache.num_blocks),
+            "max_num_seqs": str(cfg.max_num_seqs),
+            "max_num_batched_tokens": str(cfg.max_num_batched_tokens),
+            "max_model_len": str(engine.max_model_len), "batching_policy": cfg.batching_policy,
+            "enable_chunked_prefill": str(cfg.enable_chunked_prefill).lower()}
+
+
+def _auth(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(got, expected):
+            raise OpenAIError(401, "Incorrect or missing API key (send Authorization: Bearer "
+                              "<key>).", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
+    return check
+
+
+class _SSEResponse(StreamingResponse):
+    """A streamed response that aborts its requests however the stream ends (client gone,
+    server shutting down), not only when the generator gets to run its ``finally``."""
+
+    def __init__(self, content, gen: Generation) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.abort()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+
+
+async def _collect_or_abort(request: Request, gen: Generation):
+    """The final outputs, or None when the client left first (its requests are aborted)."""
+    work = asyncio.ensure_future(gen.collect())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        gen.abort()
+        return None
+    finally:
+        for t in (work, watch):
+            t.cancel()
+
+
+async def _respond(request: Request, gen: Generation, body, stream_fn, response_fn):
+    gen.start()
+    if body.stream:
+        return _SSEResponse(stream_fn(gen, body), gen)
+    finals = await _collect_or_abort(request, gen)
+    if finals is None:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return JSONResponse(response_fn(gen, body, finals))
+
+
+def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_key))])
+
+    @router.get("/models")
+    async def models() -> dict:
+        """OpenAI's model list: the served names."""
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "inflight",
+             "root": ctx.model_name, "max_model_len": ctx.engine.max_model_len}
+            for name in ctx.model_names]}
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI's legacy completions (https://platform.openai.com/docs/api-reference/completions)."""
+        gen = await serving.prepare_completion(ctx, body, time.monotonic())
+        return await _respond(request, gen, body, serving.stream_completion,
+                              serving.completion_response)
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """OpenAI's chat completions (https://platform.openai.com/docs/api-reference/chat)."""
+        gen = await serving.prepare_chat(ctx, body, time.monotonic())
+        return await _respond(request, gen, body, serving.stream_chat, serving.chat_response)
+
+    return router
+
+
+def _ops_router(ctx: ServerContext, metrics: ServerMetrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        """200 while the engine loop runs; 503 once it stopped (shutdown or crash)."""
+        if ctx.engine.is_running:
+            return JSONResponse({})
+        raise OpenAIError(503, "the engine is not running", code="server_unavailable")
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        """Prometheus text exposition (``inflight:*`` metrics)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/stats")
+    async def stats() -> dict:
+        """p50/p95/p99 of TTFT, ITL and E2E over the recent window, plus engine gauges."""
+        return metrics.stats()
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's ``/tokenize``: a prompt, or messages through the chat template."""
+        ctx.check_model(body.model)
+        tok = ctx.engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", param="prompt")
+        if body.prompt is not None:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(tok.encode, body.prompt, add_special)
+        else:
+            messages = serving.render_messages(body.messages)
+            try:
+                text = await asyncio.to_thread(tok.apply_chat_template, messages,
+                                               add_generation_prompt=body.add_generation_prompt)
+            except ValueError as e:
+                raise bad_request(str(e), param="messages") from None
+            ids = await asyncio.to_thread(tok.encode, text, bool(body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        """vLLM's ``/detokenize``: token ids to text."""
+        ctx.check_model(body.model)
+        vocab = ctx.engine.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"tokens: id {bad} is outside the vocabulary [0, {vocab})",
+                              param="tokens")
+        return {"prompt": await asyncio.to_thread(ctx.engine.tokenizer.decode, body.tokens)}
+
+    return router
+
+
+# --- inflight serve -----------------------------------------------------------------------
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``inflight serve`` (server flags plus every engine flag) to ``subparsers``."""
+    from inflight.config import EngineConfig
+
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients use in 'model' (default: the --model argument, or the "
+                        "bundled model's name)")
+    p.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
+                   help="sequences allowed to wait for admission; past it requests get 503 "
+                        "with Retry-After (default %(default)s)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 (default %(default)s)")
+    p.add_argument("--stats-window", type=float, default=60.0,
+                   help="seconds of the latency percentile window of /stats (default %(default)s)")
+    p.add_argument("--stats-log-interval", type=float, default=10.0,
+                   help="seconds between stats log lines while busy; 0 disables (default %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGINT/SIGTERM, seconds running requests get to finish before "
+                        "they are aborted (default %(default)s)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="log every HTTP request")
+    EngineConfig.add_cli_args(p)
+    return p
+
+
+def default_model_name(model: str | None) -> str:
+    """vLLM reports the ``--model`` argument; for the bundled GGUF, its model name."""
+    if model is not None:
+        return model
+    from inflight.model.bundled import find_bundled_model
+    return find_bundled_model().name.split(".")[0]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with a last step in its graceful shutdown: requests still running
+    ``grace_s`` after the signal are aborted, so their clients hear ``finish_reason=abort``
+    and ``[DONE]`` rather than a dropped connection."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        handle = asyncio.get_running_loop().call_later(self._grace_s, self._engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            handle.cancel()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``inflight serve``: load the engine, serve until SIGINT/SIGTERM, exit 0.
+
+    Raises ``ValueError`` for a bad engine flag and ``FileNotFoundError`` for a missing
+    model (the CLI prints them).
+    """
+    from inflight.config import EngineConfig
+    from inflight.engine import Engine
+
+    config = EngineConfig.from_cli_args(args)
+    if args.max_num_waiting < 0:
+        raise ValueError(f"max_num_waiting: must be >= 0, got {args.max_num_waiting}")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    names = args.served_model_name or [default_model_name(config.model)]
+    engine = AsyncEngine(Engine(config), max_num_waiting=args.max_num_waiting,
+                         log_interval_s=args.stats_log_interval)
+    app = build_app(engine, model_names=names, api_key=api_key,
+                    max_body_bytes=args.max_request_body_bytes, stats_window_s=args.stats_window)
+    log_level = getattr(args, "log_level", "info").lower()
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
+                               access_log=args.access_log, lifespan="on",
+                               timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = _Server(uv_config, engine, args.shutdown_timeout)
+    logger.info("serving %s on http://%s:%d (API key %s)", names[0], args.host, args.port,
+                "required" if api_key else "not required")
+    # uvicorn re-raises the signal it shut down on once it has restored the previous
+    # handlers; a no-op handler here turns that into a clean return (exit status 0).
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.shutdown()
+    return 0 if server.started else 1

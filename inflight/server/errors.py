@@ -1,0 +1,135 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure the server reports, from a malformed body to an engine fault, uses this body
+(https://platform.openai.com/docs/guides/error-codes), so the official clients raise their
+typed exceptions (``BadRequestError``, ``NotFoundError``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+    503: "server_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error response. Raise it anywhere in a route; the app turns it into the body.
+
+    Args:
+        status: HTTP status.
+        message: human-readable text.
+        param: the request field at fault, if any.
+        code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+        type: OpenAI's error type; derived from ``status`` when None.
+        headers: extra response headers (``Retry-After``, ``WWW-Authenticate``).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    """The JSON body of an error response (also the payload of an SSE error event)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def from_value_error(e: ValueError, param_names: dict[str, str] | None = None) -> OpenAIError:
+    """400 from a ``ValueError`` whose message starts with ``field:`` (``SamplingParams``
+    and the engine name the field so); ``param_names`` maps internal to API field names."""
+    text = str(e)
+    field, sep, _ = text.partition(":")
+    param = field.strip() if sep and field.strip().isidentifier() else None
+    if param and param_names:
+        param = param_names.get(param, param)
+    return bad_request(text, param=param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "set", "tuple"}
+
+
+def _param_of(loc: tuple) -> str | None:
+    # "messages[0].content" from ("body", "messages", 0, "content", "list[TextPart]", 0):
+    # pydantic puts union member tags in locations; they end the field path.
+    out = ""
+    for p in loc:
+        if p == "body" and not out:
+            continue
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and p.isidentifier() and p.lower() not in _TYPE_TAGS:
+            out += f".{p}" if out else p
+        else:
+            break
+    return out or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    param = _param_of(tuple(first.get("loc", ())))
+    if param is None and first.get("type") == "missing":
+        return "the request body is required (a JSON object)", None
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    msg = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    if len(errors) > 1 and first.get("loc") and errors[1].get("loc", ())[:2] == first["loc"][:2]:
+        msg += f" (and {len(errors) - 1} more errors for this field)"
+    return msg, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Render validation failures as 400, HTTP errors and crashes in OpenAI's shape."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return OpenAIError(exc.status_code, message,
+                           headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return OpenAIError(500, f"internal server error: {type(exc).__name__}").response()

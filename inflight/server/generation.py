@@ -1,0 +1,222 @@
+"""The engine requests behind one API call, and the checks they pass first.
+
+Everything the engine would refuse is refused here, with a 400 naming the API field:
+token ids outside the vocabulary, ``prompt + max_tokens > max_model_len`` (vLLM's rule;
+an absent ``max_tokens`` becomes ``max_model_len - prompt_len``), prompts the KV cache or
+the step budget can never hold, and sampling values ``SamplingParams`` rejects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from inflight.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
+                                          RequestFailedError, RequestStream, merge_outputs)
+from inflight.outputs import RequestOutput
+from inflight.sampling_params import SamplingParams
+from inflight.server.errors import OpenAIError, bad_request, from_value_error
+from inflight.server.logprobs import TokenTexts
+from inflight.server.metrics import ServerMetrics
+from inflight.server.protocol import SamplingRequest
+
+
+@dataclass
+class ServerContext:
+    """What the routes share: the engine, the served names, metrics, token texts."""
+
+    engine: AsyncEngine
+    model_names: list[str]
+    metrics: ServerMetrics
+    token_texts: TokenTexts
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        """404 ``model_not_found`` unless ``name`` is None or a served name."""
+        if name is not None and name not in self.model_names:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", param="model",
+                              code="model_not_found")
+
+
+def check_prompt_len(engine: AsyncEngine, n: int, max_tokens: int | None, param: str,
+                     max_tokens_param: str = "max_tokens") -> int:
+    """Raise 400 unless ``n`` prompt tokens plus ``max_tokens`` fit; returns ``max_tokens``
+    (defaulted to ``max_model_len - n``). ``param`` and ``max_tokens_param`` are the API
+    field names reported."""
+    mml = engine.max_model_len
+    if n >= mml:
+        raise bad_request(
+            f"This model's maximum context length is {mml} tokens. However, your request has "
+            f"{n} input tokens, which leaves no room to generate. Please reduce the length of "
+            f"the input.", param=param, code="context_length_exceeded")
+    kv_len = getattr(engine.engine, "max_sequence_len", mml)
+    if n >= kv_len:
+        raise bad_request(f"The prompt ({n} tokens) does not fit in the KV cache "
+                          f"({kv_len} tokens).", param=param, code="context_length_exceeded")
+    cfg = engine.config
+    if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+        raise bad_request(f"The prompt ({n} tokens) exceeds max_num_batched_tokens "
+                          f"({cfg.max_num_batched_tokens}) with chunked prefill off.",
+                          param=param, code="context_length_exceeded")
+    if max_tokens is None:
+        return mml - n
+    if n + max_tokens > mml:
+        raise bad_request(
+            f"This model's maximum context length is {mml} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the input, {max_tokens} in the completion). "
+            f"Please reduce the length of the input or completion.",
+            param=max_tokens_param, code="context_length_exceeded")
+    return max_tokens
+
+
+def build_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                          param_names: dict[str, str] | None = None) -> SamplingParams:
+    """``SamplingParams`` from the body; a bad value is a 400 naming the API field."""
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens)
+    except ValueError as e:
+        raise from_value_error(e, param_names) from None
+
+
+def check_common(ctx: ServerContext, req: SamplingRequest) -> None:
+    ctx.check_model(req.model)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true",
+                          param="stream_options")
+
+
+def check_token_ids(ctx: ServerContext, ids: Sequence[int], param: str) -> None:
+    vocab = ctx.engine.tokenizer.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise bad_request(f"{param}: token id {t} is outside the vocabulary [0, {vocab})",
+                              param=param)
+
+
+# --- one HTTP request's engine requests ---------------------------------------------------
+class Generation:
+    """The engine requests behind one API call (one per prompt), and their lifecycle.
+
+    Args:
+        ctx: the server context.
+        request_id: the response ``id``; engine requests are ``{request_id}-{i}``.
+        prompts: token ids per prompt.
+        params: sampling parameters per prompt.
+        arrival_time: ``time.monotonic()`` when the HTTP request arrived.
+    """
+
+    def __init__(self, ctx: ServerContext, request_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams], arrival_time: float) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.arrival_time = arrival_time
+        self.created = int(time.time())
+        self.n = params[0].n
+        self.streams: list[RequestStream] = []
+
+    def start(self) -> None:
+        """Queue every prompt; on overload nothing stays queued (503 + ``Retry-After``)."""
+        try:
+            for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
+                self.streams.append(self.ctx.engine.add_request(
+                    f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time))
+        except EngineOverloadedError as e:
+            self.abort()
+            raise OpenAIError(503, str(e), code="server_overloaded",
+                              headers={"Retry-After": str(max(1, round(e.retry_after)))}) from None
+        except EngineDeadError as e:
+            self.abort()
+            raise OpenAIError(503, f"the server is shutting down: {e}",
+                              code="server_unavailable") from None
+
+    def abort(self) -> None:
+        """Abort every unfinished engine request of this call (idempotent)."""
+        for s in self.streams:
+            s.abort()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(prompt_index, delta)`` as they come, all prompts interleaved.
+
+        Raises ``OpenAIError`` when the engine refuses or fails a request (the others
+        are aborted); leaving early aborts them all.
+        """
+        try:
+            if len(self.streams) == 1:
+                async for out in self.streams[0]:
+                    yield 0, _checked(out)
+                return
+            async for item in _interleave(self.streams):
+                yield item[0], _checked(item[1])
+        except ValueError as e:
+            raise from_value_error(e) from None
+        except RequestFailedError as e:
+            raise OpenAIError(500, f"the request failed in the engine: {e}",
+                              code="engine_error") from None
+        except EngineDeadError as e:
+            raise OpenAIError(503, f"the engine stopped: {e}", code="server_unavailable") from None
+        finally:
+            self.abort()
+
+    async def collect(self) -> list[RequestOutput]:
+        """Run to the end; the cumulative final output per prompt."""
+        finals: list[RequestOutput | None] = [None] * len(self.streams)
+        async for i, out in self.deltas():
+            finals[i] = out if finals[i] is None else merge_outputs(finals[i], out)
+        return finals  # type: ignore[return-value]
+
+
+def _checked(out: RequestOutput) -> RequestOutput:
+    if out.error:
+        raise RequestFailedError(out.error)
+    return out
+
+
+async def _interleave(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as e:  # handed to the consumer, which raises it
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

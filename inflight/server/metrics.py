@@ -1,0 +1,246 @@
+"""Prometheus metrics and sliding-window latency percentiles of one server.
+
+Names are vLLM's with the prefix ``inflight:`` (https://docs.vllm.ai/en/latest/design/metrics.html).
+Each app gets its own ``CollectorRegistry``, so several servers in one process (tests) do
+not collide. Request and token metrics are fed by ``ServerMetrics.on_step``, an
+``AsyncEngine`` step listener, so they see every request, including ones whose client left.
+
+Histograms approximate percentiles only to their bucket bounds; operators set SLOs on p95,
+so the p50/p95/p99 of TTFT, ITL and E2E over the last ``window_s`` seconds are also exposed
+exactly, as ``GET /stats`` JSON and as the gauges ``inflight:<name>_window{quantile=...}``.
+All durations are in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from inflight.engine.engine import EngineStats
+from inflight.outputs import RequestOutput
+
+QUANTILES = (0.5, 0.95, 0.99)
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class SlidingWindow:
+    """Samples of the last ``window_s`` seconds (at most ``max_samples``), thread-safe.
+
+    Percentiles interpolate linearly between order statistics (numpy's default method).
+    """
+
+    def __init__(self, window_s: float, max_samples: int = 50_000) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._lock = threading.Lock()
+
+    def add(self, value: float, now: float | None = None) -> None:
+        with self._lock:
+            self._samples.append((time.monotonic() if now is None else now, value))
+
+    def values(self, now: float | None = None) -> list[float]:
+        cutoff = (time.monotonic() if now is None else now) - self.window_s
+        with self._lock:
+            while self._samples and self._samples[0][0] < cutoff:
+                self._samples.popleft()
+            return [v for _, v in self._samples]
+
+    def summary(self, now: float | None = None) -> dict[str, float | int | None]:
+        """``{"count", "mean", "p50", "p95", "p99"}``; None values when the window is empty."""
+        vals = sorted(self.values(now))
+        out: dict[str, float | int | None] = {"count": len(vals),
+                                              "mean": sum(vals) / len(vals) if vals else None}
+        for q in QUANTILES:
+            out[f"p{round(q * 100)}"] = percentile(vals, q)
+        return out
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of already sorted values, linear interpolation."""
+    if not sorted_values:
+        return None
+    pos = q * (len(sorted_values) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class _WindowCollector:
+    """Exposes the windows as gauges computed at scrape time."""
+
+    def __init__(self, windows: dict[str, SlidingWindow]) -> None:
+        self._windows = windows
+
+    def collect(self):
+        for name, window in self._windows.items():
+            fam = GaugeMetricFamily(
+                f"inflight:{name}_window",
+                f"{name} quantiles over the last {window.window_s:g} s (exact, not bucketed)",
+                labels=["quantile"])
+            summary = window.summary()
+            for q in QUANTILES:
+                value = summary[f"p{round(q * 100)}"]
+                fam.add_metric([f"{q:g}"], math.nan if value is None else value)
+            yield fam
+
+
+class ServerMetrics:
+    """The Prometheus metrics of one app, fed from the engine thread.
+
+    Args:
+        engine_state: an object with ``get_stats() -> EngineStats`` and ``num_waiting``
+            (the ``AsyncEngine``); gauges read it at scrape time.
+        window_s: length of the percentile window, seconds.
+        max_num_batched_tokens: upper bucket of ``inflight:iteration_tokens_total``.
+        config_labels: labels of the ``inflight:engine_config_info`` metric.
+    """
+
+    def __init__(self, engine_state, *, window_s: float = 60.0,
+                 max_num_batched_tokens: int = 8192,
+                 config_labels: dict[str, str] | None = None) -> None:
+        self.registry = r = CollectorRegistry()
+        self._engine_state = engine_state
+        self.ttft = Histogram("inflight:time_to_first_token_seconds",
+                              "Time from arrival to the first output token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("inflight:inter_token_latency_seconds",
+                             "Time between consecutive output tokens of a sequence.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("inflight:e2e_request_latency_seconds",
+                             "Time from arrival to finish, finished (not aborted) requests.",
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("inflight:request_queue_time_seconds",
+                                    "Time from arrival to first scheduling.",
+                                    buckets=_REQUEST_BUCKETS, registry=r)
+        self.prefill_time = Histogram("inflight:request_prefill_time_seconds",
+                                      "Time from first scheduling to the first token.",
+                                      buckets=_REQUEST_BUCKETS, registry=r)
+        self.decode_time = Histogram("inflight:request_decode_time_seconds",
+                                     "Time from the first to the last token.",
+                                     buckets=_REQUEST_BUCKETS, registry=r)
+        buckets = [1]
+        while buckets[-1] < max_num_batched_tokens:
+            buckets.append(buckets[-1] * 2)
+        self.iteration_tokens = Histogram("inflight:iteration_tokens_total",
+                                          "Tokens computed (prompt) and sampled per engine step.",
+                                          buckets=buckets, registry=r)
+        Gauge("inflight:num_requests_running", "Sequences running in the engine.",
+              registry=r).set_function(lambda: engine_state.get_stats().num_running)
+        Gauge("inflight:num_requests_waiting", "Sequences waiting for admission.",
+              registry=r).set_function(lambda: engine_state.num_waiting)
+        Gauge("inflight:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+              registry=r).set_function(lambda: engine_state.get_stats().kv_cache_usage)
+        self.prompt_tokens = Counter("inflight:prompt_tokens",
+                                     "Prompt tokens of requests that got a first token.",
+                                     registry=r)
+        self.generation_tokens = Counter("inflight:generation_tokens", "Output tokens sampled.",
+                                         registry=r)
+        self.preemptions = Counter("inflight:num_preemptions", "Preemptions.", registry=r)
+        self.request_success = Counter(
+            "inflight:request_success", "Finished sequences, by finish reason "
+            "(stop, length, abort; error when the engine failed the request).",
+            ["finished_reason"], registry=r)
+        if config_labels:
+            Info("inflight:engine_config", "Engine settings.", registry=r).info(config_labels)
+        self.windows = {"time_to_first_token_seconds": SlidingWindow(window_s),
+                        "inter_token_latency_seconds": SlidingWindow(window_s),
+                        "e2e_request_latency_seconds": SlidingWindow(window_s)}
+        r.register(_WindowCollector(self.windows))
+        self.window_s = window_s
+        # Counter deltas start from now: an engine reused by a second app keeps its history.
+        self._last_stats: EngineStats = engine_state.get_stats()
+        self._first_token_seen: set[str] = set()
+        self._last_emit: dict[tuple[str, int], float] = {}
+        # Plain mirrors of the two token counters for /stats (ints: atomic to read).
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+
+    # --- the engine-thread listener -------------------------------------------------------
+    def on_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
+        """``AsyncEngine`` listener: update counters and histograms from one step."""
+        last = self._last_stats
+        if stats.num_preemptions > last.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        if stats.num_steps > last.num_steps:
+            self.iteration_tokens.observe(stats.prompt_tokens + stats.generation_tokens
+                                          - last.prompt_tokens - last.generation_tokens)
+        self._last_stats = stats
+        for out in outputs:
+            self._observe(out, now)
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        rid, m = out.request_id, out.metrics
+        if m is not None and m.first_token_time is not None and rid not in self._first_token_seen:
+            self._first_token_seen.add(rid)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self._num_prompt_tokens += len(out.prompt_token_ids)
+            ttft = m.first_token_time - m.arrival_time
+            self.ttft.observe(ttft)
+            self.windows["time_to_first_token_seconds"].add(ttft, now)
+        for c in out.outputs:
+            n = len(c.token_ids)
+            if n:
+                self.generation_tokens.inc(n)
+                self._num_generation_tokens += n
+                key = (rid, c.index)
+                prev = self._last_emit.get(key)
+                if prev is not None:
+                    gap = (now - prev) / n
+                    for _ in range(n):
+                        self.itl.observe(gap)
+                        self.windows["inter_token_latency_seconds"].add(gap, now)
+                self._last_emit[key] = now
+            if c.finish_reason is not None:
+                self.request_success.labels("error" if out.error else c.finish_reason).inc()
+                self._last_emit.pop((rid, c.index), None)
+        if out.finished:
+            self._first_token_seen.discard(rid)
+            for key in [k for k in self._last_emit if k[0] == rid]:
+                del self._last_emit[key]
+            aborted = out.error or any(c.finish_reason == "abort" for c in out.outputs)
+            if m is not None and not aborted and m.finished_time is not None:
+                self._observe_latencies(m, now)
+
+    def _observe_latencies(self, m, now: float) -> None:
+        e2e = m.finished_time - m.arrival_time
+        self.e2e.observe(e2e)
+        self.windows["e2e_request_latency_seconds"].add(e2e, now)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self.decode_time.observe(m.last_token_time - m.first_token_time)
+
+    # --- read side (event loop) -----------------------------------------------------------
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this app's registry."""
+        return generate_latest(self.registry)
+
+    def stats(self) -> dict:
+        """``GET /stats``: window percentiles plus the current engine gauges and counters."""
+        s = self._engine_state.get_stats()
+        now = time.monotonic()
+        return {
+            "window_seconds": self.window_s,
+            "time_to_first_token_seconds": self.windows["time_to_first_token_seconds"].summary(now),
+            "inter_token_latency_seconds": self.windows["inter_token_latency_seconds"].summary(now),
+            "e2e_request_latency_seconds": self.windows["e2e_request_latency_seconds"].summary(now),
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": self._engine_state.num_waiting,
+            "kv_cache_usage_perc": s.kv_cache_usage,
+            "num_preemptions_total": s.num_preemptions,
+            "prompt_tokens_total": self._num_prompt_tokens,
+            "generation_tokens_total": self._num_generation_tokens,
+            "num_steps": s.num_steps,
+        }

@@ -1,0 +1,135 @@
+"""Request bodies of the OpenAI-compatible API, as strict pydantic models.
+
+Fields follow OpenAI's Completions and Chat Completions references
+(https://platform.openai.com/docs/api-reference/completions,
+https://platform.openai.com/docs/api-reference/chat) plus vLLM's extra sampling fields
+(``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``;
+https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html). Validation is strict
+(``"5"`` is not an integer, ``NaN`` is not a number); unknown fields are ignored, as in vLLM.
+Value ranges of sampling fields are checked by ``SamplingParams``, which names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# A cap on ``n`` so one request cannot queue an unbounded number of sequences.
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="a served model name; None: the first one")
+    max_tokens: int | None = Field(
+        None, description="output tokens per choice; None: up to max_model_len")
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    # A signed 64-bit integer, as OpenAI documents; torch's generators take no wider seed.
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``.
+
+    ``prompt`` is a string, a list of strings, a list of token ids, or a list of such lists;
+    each prompt becomes ``n`` choices, indexed ``prompt_index * n + i``. ``logprobs`` asks
+    for that many top log-probabilities per token (0..20; the sampled token's own is
+    always included). ``echo``, ``suffix``, ``best_of != n`` and ``logit_bias`` are not
+    supported and answered with 400.
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class TextPart(_Strict):
+    """A ``{"type": "text", "text": ...}`` content part (the only kind supported)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message; list content is joined into one string (text parts only)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``.
+
+    ``messages`` go through the model's chat template (``add_generation_prompt`` as
+    vLLM). ``max_completion_tokens`` takes precedence over the deprecated ``max_tokens``.
+    ``logprobs=true`` returns the sampled token's log-probability, ``top_logprobs`` (0..20)
+    that many alternatives. ``tools`` are not supported (400).
+    """
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM): either ``prompt`` or ``messages``.
+
+    ``add_special_tokens`` defaults to true for a prompt (as completions tokenize it) and
+    false for messages (the template already holds them).
+    """
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM): token ids to text."""
+
+    model: str | None = None
+    tokens: list[int]

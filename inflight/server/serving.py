@@ -1,0 +1,217 @@
+"""Completions and chat completions: a validated body -> engine requests -> OpenAI responses.
+
+Response shapes follow OpenAI's references (``text_completion``, ``chat.completion``,
+``chat.completion.chunk``); streams are server-sent events ending with ``data: [DONE]``.
+``finish_reason`` is ``stop``, ``length``, or (vLLM's) ``abort``; ``stop_reason`` (vLLM) is
+the stop string or token id that ended a choice. An engine failure after the 200 headers
+went out becomes an error event (``data: {"error": ...}``) before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from inflight.outputs import RequestOutput
+from inflight.server.errors import OpenAIError, bad_request
+from inflight.server.generation import (Generation, ServerContext, build_sampling_params,
+                                        check_common, check_prompt_len, check_token_ids)
+from inflight.server.logprobs import chat_logprobs, completion_logprobs
+from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+# --- completions --------------------------------------------------------------------------
+async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
+                             arrival_time: float) -> Generation:
+    """Validate and tokenize a completions body (raises ``OpenAIError``)."""
+    check_common(ctx, req)
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    raw = req.prompt
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        raw = [raw]
+    if not raw:
+        raise bad_request("prompt: must not be empty", param="prompt")
+    tok = ctx.engine.tokenizer
+    prompts: list[list[int]] = []
+    for p in raw:
+        if isinstance(p, str):
+            ids = await asyncio.to_thread(tok.encode, p) if p else []
+        else:
+            check_token_ids(ctx, p, "prompt")
+            ids = list(p)
+        if not ids:
+            raise bad_request("prompt: must not be empty", param="prompt")
+        prompts.append(ids)
+    params = [build_sampling_params(req, check_prompt_len(ctx.engine, len(ids), req.max_tokens,
+                                                          "prompt"), req.logprobs)
+              for ids in prompts]
+    return Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(gen: Generation, req: CompletionRequest,
+                        finals: list[RequestOutput]) -> dict:
+    """The non-streamed ``text_completion`` object."""
+    tt = gen.ctx.token_texts
+    choices, completion_tokens = [], 0
+    for i, out in enumerate(finals):
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({
+                "index": i * gen.n + c.index, "text": c.text,
+                "logprobs": completion_logprobs(tt, c, 0) if req.logprobs is not None else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    choices.sort(key=lambda ch: ch["index"])
+    return {"id": gen.request_id, "object": "text_completion", "created": gen.created,
+            "model": gen.ctx.model_name, "choices": choices,
+            "usage": _usage(gen.num_prompt_tokens, completion_tokens)}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event carrying ``data`` (JSON unless already a string)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+async def stream_completion(gen: Generation, req: CompletionRequest) -> AsyncIterator[str]:
+    """SSE ``text_completion`` chunks, then a usage chunk if asked, then ``[DONE]``."""
+    tt = gen.ctx.token_texts
+    offsets: dict[int, int] = {}
+    completion_tokens = 0
+    base = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
+            "model": gen.ctx.model_name}
+    async for i, out in _guard(gen):
+        if isinstance(out, OpenAIError):
+            yield sse(out.body())
+            yield sse("[DONE]")
+            return
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            if not c.text and c.finish_reason is None and req.logprobs is None:
+                continue  # nothing a client could see (a held-back partial character)
+            index = i * gen.n + c.index
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(tt, c, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            yield sse({**base, "choices": [{
+                "index": index, "text": c.text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse({**base, "choices": [], "usage": _usage(gen.num_prompt_tokens, completion_tokens)})
+    yield sse("[DONE]")
+
+
+async def _guard(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput | OpenAIError]]:
+    # An engine failure mid-stream becomes an error event: the 200 headers are already sent.
+    try:
+        async for item in gen.deltas():
+            yield item
+    except OpenAIError as e:
+        yield -1, e
+
+
+# --- chat ---------------------------------------------------------------------------------
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
+                       arrival_time: float) -> Generation:
+    """Validate a chat body, render the chat template and tokenize (raises ``OpenAIError``)."""
+    check_common(ctx, req)
+    if req.tools:
+        raise bad_request("tools are not supported", param="tools")
+    messages = render_messages(req.messages)
+    tok = ctx.engine.tokenizer
+    try:
+        text = await asyncio.to_thread(tok.apply_chat_template, messages,
+                                       add_generation_prompt=req.add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(str(e), param="messages") from None
+    ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
+    if not ids:
+        raise bad_request("messages: the rendered prompt is empty", param="messages")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    logprobs = None
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    mt = check_prompt_len(ctx.engine, len(ids), max_tokens, "messages", max_param)
+    params = build_sampling_params(req, mt, logprobs,
+                                   {"logprobs": "top_logprobs", "max_tokens": max_param})
+    return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time)
+
+
+def render_messages(messages) -> list[dict]:
+    """Plain dicts for the chat template; 400 for a message without content."""
+    out = []
+    for i, m in enumerate(messages):
+        text = m.text()
+        if text is None:
+            raise bad_request(f"messages[{i}].content: is required", param=f"messages[{i}].content")
+        d = {"role": m.role, "content": text}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def chat_response(gen: Generation, req: ChatCompletionRequest,
+                  finals: list[RequestOutput]) -> dict:
+    """The non-streamed ``chat.completion`` object."""
+    tt = gen.ctx.token_texts
+    out = finals[0]
+    choices = [{
+        "index": c.index, "message": {"role": "assistant", "content": c.text},
+        "logprobs": chat_logprobs(tt, c, req.top_logprobs or 0) if req.logprobs else None,
+        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+    } for c in sorted(out.outputs, key=lambda c: c.index)]
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
+            "model": gen.ctx.model_name, "choices": choices,
+            "usage": _usage(gen.num_prompt_tokens, completion_tokens)}
+
+
+async def stream_chat(gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[str]:
+    """SSE ``chat.completion.chunk`` events, usage chunk if asked, then ``[DONE]``.
+
+    The first chunk of each choice carries ``role: assistant`` with its first text."""
+    tt = gen.ctx.token_texts
+    started: set[int] = set()
+    completion_tokens = 0
+    base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
+            "model": gen.ctx.model_name}
+    async for _, out in _guard(gen):
+        if isinstance(out, OpenAIError):
+            yield sse(out.body())
+            yield sse("[DONE]")
+            return
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            if not c.text and c.finish_reason is None and not req.logprobs:
+                continue
+            delta: dict = {"content": c.text}
+            if c.index not in started:
+                started.add(c.index)
+                delta = {"role": "assistant", **delta}
+            yield sse({**base, "choices": [{
+                "index": c.index, "delta": delta,
+                "logprobs": chat_logprobs(tt, c, req.top_logprobs or 0) if req.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse({**base, "choices": [],
+                   "usage": _usage(gen.num_prompt_tokens, completion_tokens)})
+    yield sse("[DONE]")

@@ -1,0 +1,68 @@
+"""``inflight serve`` as a process: flags, the API key from the environment, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.server.conftest import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_serve_sigterm_aborts_running_stream_and_exits_cleanly():
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "INFLIGHT_API_KEY": "secret"}
+    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--port", str(port),
+           "--served-model-name", "m", "--num-kv-blocks", "128", "--max-model-len", "1024",
+           "--max-num-seqs", "4", "--shutdown-timeout", "1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: _healthy(url, proc), timeout=90, interval=0.2, what="the server")
+        assert httpx.get(url + "/v1/models").status_code == 401
+        auth = {"Authorization": "Bearer secret"}
+        assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "m"
+
+        body = {"model": "m", "prompt": "Tell me a story.", "max_tokens": 900,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth,
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        # The stream was not cut: after the grace period it ended as aborted, then [DONE].
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log = proc.stdout.read().decode(errors="replace")
+    assert "serving m on" in log, log
