@@ -55,9 +55,10 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.sampler = sampler
         c = model.config
-        shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        shape = (2, c.num_key_value_heads, num_blocks, block_size, c.head_dim)
         self.kv_caches = [_zeros(shape, kv_cache_dtype, self.device)
                           for _ in range(c.num_hidden_layers)]
 

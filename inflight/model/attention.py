@@ -1,9 +1,11 @@
 """Paged attention over a block-structured KV cache, in plain PyTorch.
 
 Follows PagedAttention (Kwon et al., SOSP 2023): each layer's cache is one preallocated
-tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (keys, values); a request's
+tensor ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` (keys, values); a request's
 tokens live in the blocks its block table names, token ``p`` at slot
-``block_table[p // block_size] * block_size + p % block_size``.
+``block_table[p // block_size] * block_size + p % block_size``. Heads come before blocks so
+that gathering a batch's blocks (one ``index_select``) yields ``[heads, batch, tokens, dim]``
+with no transposing copy before the attention matmuls.
 
 The step's tokens arrive flattened, decodes first (one query token each), then prefill
 chunks (one or more tokens each, with ``num_computed`` tokens already cached before them)::
@@ -62,10 +64,10 @@ class AttentionMetadata:
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
-    _, num_blocks, block_size, h, d = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, h, d)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    _, h, num_blocks, block_size, d = kv_cache.shape
+    flat = kv_cache.view(2, h, num_blocks * block_size, d)
+    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -77,7 +79,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q: ``[num_tokens, num_heads, head_dim]`` queries, RoPE applied.
         k, v: ``[num_tokens, num_kv_heads, head_dim]`` the step's new keys/values (used
             directly for prefill chunks with nothing cached before them).
-        kv_cache: this layer's cache, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        kv_cache: this layer's cache, ``[2, num_kv_heads, num_blocks, block_size, head_dim]``.
         meta: the step's ``AttentionMetadata``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
@@ -96,49 +98,42 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _gather_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the blocks in ``block_table`` (``[..., M]``) as
-    ``[..., M * block_size, num_kv_heads, head_dim]`` each."""
-    _, _, block_size, h, d = kv_cache.shape
-    kv = kv_cache[:, block_table]  # [2, ..., M, block_size, h, d]
-    lead = block_table.shape[:-1]
-    kv = kv.reshape(2, *lead, block_table.shape[-1] * block_size, h, d)
-    return kv[0], kv[1]
+def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys and values of ``block_ids`` (flat ``[n]``): ``[2, num_kv_heads, n * block_size, head_dim]``."""
+    _, h, _, block_size, d = kv_cache.shape
+    return kv_cache.index_select(2, block_ids).view(2, h, -1, d)
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     b, num_heads, d = q.shape
-    k, v = _gather_blocks(kv_cache, block_tables)  # [B, L, Hkv, D]
-    h_kv = k.shape[2]
-    group = num_heads // h_kv
+    h_kv = kv_cache.shape[1]
+    kv = _gather_blocks(kv_cache, block_tables.reshape(-1)).view(2, h_kv, b, -1, d)
     # Query heads sharing a KV head become that head's "query rows", so grouped-query
-    # attention needs no repeated K/V: q [B, Hkv, G, D] against k [B, Hkv, L, D].
-    qg = q.view(b, h_kv, group, d)
-    mask = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
-    o = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None, None, :], scale=scale)
-    return o.reshape(b, num_heads, d)
+    # attention needs no repeated K/V: q [Hkv, B, G, D] against k [Hkv, B, L, D].
+    qg = q.view(b, h_kv, num_heads // h_kv, d).transpose(0, 1)
+    mask = torch.arange(kv.shape[3], device=q.device)[None, :] < seq_lens[:, None]
+    o = F.scaled_dot_product_attention(qg, kv[0].to(q.dtype), kv[1].to(q.dtype),
+                                       attn_mask=mask[None, :, None, :], scale=scale)
+    return o.transpose(0, 1).reshape(b, num_heads, d)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    t, num_heads, d = q.shape
+    t = q.shape[0]
     if chunk.num_computed == 0:
-        keys, values = k, v
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
         mask, causal = None, True
     else:
-        keys, values = _gather_blocks(kv_cache, chunk.block_table)
         total = chunk.num_computed + t
-        keys, values = keys[:total], values[:total]
+        kv = _gather_blocks(kv_cache, chunk.block_table)[:, :, :total]
+        keys, values = kv[0], kv[1]
         # Query i sits at position num_computed + i and sees keys 0..num_computed + i.
         q_pos = torch.arange(chunk.num_computed, total, device=q.device)
         mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
         causal = False
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        values.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0).to(q.dtype),
+        values.unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=True)
     return o[0].transpose(0, 1)

@@ -71,7 +71,7 @@ def _run_engine(path, dtype, prompts, max_tokens, **cfg):
     model.load_weights(state)
     runner = RecordingRunner(model, cfg.pop("num_blocks", 64), 4, dtype, Sampler())
     engine = Engine(EngineConfig(block_size=4, **cfg), runner=runner,
-                    num_blocks=len(runner.kv_caches[0][0]), max_model_len=256)
+                    num_blocks=runner.num_blocks, max_model_len=256)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                      ignore_eos=True))
