@@ -41,6 +41,7 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         enable_chunked_prefill: split prompts longer than the remaining budget.
+        enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
         batching_policy: ``continuous``, ``static`` or ``dynamic``.
         max_queue_delay: dynamic policy: seconds the oldest request may wait for a batch.
         num_threads: torch intra-op threads on CPU (None: torch's default).
@@ -59,6 +60,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     batching_policy: str = "continuous"
     max_queue_delay: float = 0.05
     num_threads: int | None = None
@@ -106,6 +108,8 @@ class EngineConfig:
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=True)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="reuse cached KV blocks of shared prompt prefixes")
         g.add_argument("--batching-policy", default="continuous", choices=BATCHING_POLICIES)
         g.add_argument("--max-queue-delay", type=float, default=0.05,
                        help="dynamic policy: seconds the oldest request waits for a batch")

@@ -61,6 +61,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache on admission
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None

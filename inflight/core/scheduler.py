@@ -78,6 +78,7 @@ class Scheduler:
             now: the clock for the dynamic policy's queue delay (``time.monotonic()``).
         """
         now = time.monotonic() if now is None else now
+        self.kv_cache.begin_step()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -88,7 +89,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._num_tokens_to_schedule(req, budget)
+            n = self._num_tokens_to_schedule(req.num_uncomputed_tokens, budget)
             if n == 0:
                 i += 1
                 continue
@@ -116,30 +117,36 @@ class Scheduler:
                              now=now, launching=launching):
                 break
             req = self.waiting[0]
-            n = self._num_tokens_to_schedule(req, budget)
+            hits = self.kv_cache.get_computed_blocks(req)
+            num_hit_tokens = len(hits) * self.kv_cache.block_size
+            remaining = req.num_tokens - num_hit_tokens
+            n = self._num_tokens_to_schedule(remaining, budget)
             if n == 0 and not is_batch_policy:
                 break
             # Admit only if the whole known sequence fits beside the watermark: admitting a
             # prompt that cannot finish its prefill just forces a preemption later.
-            whole = self.kv_cache.num_new_blocks_needed(req, req.num_uncomputed_tokens)
+            whole = self.kv_cache.num_new_blocks_needed(req, remaining, hits)
             if whole > self.kv_cache.num_free_blocks - self.watermark_blocks:
                 if whole > self.kv_cache.num_free_blocks or self.running:
                     break
-            if not self.kv_cache.allocate(req, n):
+            if not self.kv_cache.allocate(req, n, hits):
                 break
+            self.kv_cache.record_lookup(req, hits)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+                req.num_cached_tokens = num_hit_tokens
             self.running.append(req)
             launching = is_batch_policy
             if n:
                 self._add_scheduled(out, req, n)
                 budget -= n
 
-    def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
-        n = min(req.num_uncomputed_tokens, budget)
-        if n < req.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+    def _num_tokens_to_schedule(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if n < remaining and not self.config.enable_chunked_prefill:
             return 0
         return n
 
@@ -154,6 +161,7 @@ class Scheduler:
         ))
         out.num_batched_tokens += n
         req.num_computed_tokens += n
+        self.kv_cache.cache_full_blocks(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: free the blocks, requeue at the head, start over later."""

@@ -34,6 +34,8 @@ class EngineStats:
         num_preemptions: preemptions since start.
         prompt_tokens, generation_tokens: tokens computed for prompts / sampled, since start.
         num_steps: engine steps since start.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in / found in the
+            prefix cache at admission, since start.
     """
 
     num_running: int
@@ -43,6 +45,8 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class _Sequence:
@@ -96,7 +100,8 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size,
+                                       config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.max_model_len = config.max_model_len or max_model_len
         # A sequence can never outgrow the whole pool, so a lone request always fits.
@@ -239,12 +244,17 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block no request holds; returns how many were dropped."""
+        return self.kv_cache.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_cache.usage(), num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._num_prompt_tokens, generation_tokens=self._num_generation_tokens,
-            num_steps=self._num_steps)
+            num_steps=self._num_steps, prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits)
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -264,6 +274,7 @@ class Engine:
                 results = self.runner.execute(out)
             except Exception as e:  # one bad step must not kill the loop: fail its requests
                 logger.exception("model step failed; failing its %d requests", len(out.scheduled))
+                self.kv_cache.discard_step()
                 self._fail([s.request for s in out.scheduled], f"{type(e).__name__}: {e}")
             else:
                 now = time.monotonic()
@@ -362,4 +373,5 @@ class Engine:
             num_preemptions=sum(s.request.num_preemptions for s in group.seqs))
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=completions,
-                             finished=finished, metrics=metrics, error=group.error)
+                             finished=finished, metrics=metrics, error=group.error,
+                             num_cached_tokens=first.num_cached_tokens)

@@ -77,7 +77,7 @@ def test_preemption_requeues_newest_and_recomputes():
     runner = FakeRunner()
     # 4 blocks of 4 tokens: two requests of 6 prompt tokens each hold 2 blocks; the first
     # decode past 8 tokens needs a fifth block, so the newest (b) is preempted.
-    engine = make_engine(runner, num_blocks=4, max_num_seqs=2)
+    engine = make_engine(runner, num_blocks=4, max_num_seqs=2, enable_prefix_caching=False)
     engine.add_request("a", [3] * 6, SamplingParams(max_tokens=6, ignore_eos=True))
     engine.add_request("b", [3] * 6, SamplingParams(max_tokens=6, ignore_eos=True))
     finished = run_to_completion(engine)

@@ -71,6 +71,8 @@ def test_same_tokens_after_preemption(make_engine, mixed_batch, alone):
     engine = make_engine(num_blocks=24, max_num_seqs=8)
     outs = run(engine, [mixed_batch[0]] + mixed_batch[1:8], GREEDY)
     assert engine.scheduler.num_preemptions > 0
+    # Preempted requests find their own freed blocks still cached when they come back.
+    assert engine.kv_cache.prefix_cache_hits > 0
     assert outs[0].outputs[0].token_ids == alone
     assert sum(o.metrics.num_preemptions for o in outs) == engine.scheduler.num_preemptions
 
@@ -83,3 +85,19 @@ def test_seeded_sampling_is_independent_of_the_batch(make_engine, mixed_batch):
     assert outs[0].outputs[0].token_ids == alone
     other_seed = run(make_engine(), [mixed_batch[1]], params.clone(seed=99))[0]
     assert other_seed.outputs[0].token_ids != alone
+
+
+def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(make_engine, mixed_batch):
+    prompt = mixed_batch[-1][:37]                     # 2 full blocks of 16 + 5 tokens
+    cold = run(make_engine(enable_prefix_caching=False), [prompt], GREEDY)[0]
+    engine = make_engine()
+    first = run(engine, [prompt], GREEDY)[0]
+    again = run(engine, [prompt], GREEDY)[0]          # hits both full blocks
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == cold.outputs[0].token_ids
+    # A different prompt sharing 2 full blocks, its partially filled last block differing.
+    other = prompt[:35] + mixed_batch[2][:3]
+    hit = run(engine, [other], GREEDY)[0]
+    assert hit.num_cached_tokens == 32
+    assert hit.outputs[0].token_ids == run(make_engine(enable_prefix_caching=False), [other],
+                                           GREEDY)[0].outputs[0].token_ids
