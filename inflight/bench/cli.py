@@ -70,6 +70,8 @@ def _common_parser() -> argparse.ArgumentParser:
                    help=f"folder of the data files (default $INFLIGHT_DATA_DIR or {default_data_dir()})")
     g.add_argument("--num-prompts", type=int, default=100, help="requests counted (default %(default)s)")
     g.add_argument("--num-warmups", type=int, default=0, help="uncounted requests sent first")
+    g.add_argument("--reset-prefix-cache", action="store_true",
+                   help="POST /reset_prefix_cache before each measured point (start cold)")
     g.add_argument("--seed", type=int, default=0, help="seed of datasets and arrivals")
     g.add_argument("--input-len", "--random-input-len", "--sonnet-input-len", dest="input_len", type=int,
                    default=256, help="random/sonnet prompt tokens (default %(default)s)")

@@ -29,6 +29,7 @@ def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
                       temperature=args.temperature, extra_body=args.extra_body,
                       request_timeout=args.request_timeout, max_concurrency=args.max_concurrency,
                       num_warmups=args.num_warmups, scrape_metrics=args.metrics,
+                      reset_prefix_cache=args.reset_prefix_cache,
                       metrics_interval=args.metrics_interval, tokenize=args.tokenize,
                       tokenizer=args.tokenizer, progress=not args.disable_tqdm)
     dataset = DatasetConfig(name=args.dataset, num_prompts=args.num_prompts, seed=args.seed,

@@ -8,6 +8,7 @@ schedule and returns the records, the summary and the scraped server metrics.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, s
 from inflight.bench.metrics_scrape import Scraper, Snapshot, counter_deltas
 from inflight.bench.prompts import make_counter
 from inflight.bench.stats import SLO, summarize
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +39,7 @@ class LoadConfig:
     request_timeout: float = 600.0
     max_concurrency: int | None = None
     num_warmups: int = 0
+    reset_prefix_cache: bool = False  # POST /reset_prefix_cache before each measured point
     scrape_metrics: bool = True
     metrics_interval: float = 1.0
     tokenize: str = "auto"  # auto | server | local | approx
@@ -92,6 +96,7 @@ class Session:
             "temperature": self.load.temperature,
             "extra_body": self.load.extra_body,
             "cache_state": {"warmup_requests": len(self.warmups),
+                            "reset_prefix_cache": self.load.reset_prefix_cache,
                             "shared_prefix_tokens": self.dataset.prefix_len
                             if self.dataset.name in ("random", "sonnet") else None,
                             "trace_prefix_blocks": self.dataset.prefix_blocks
@@ -179,6 +184,21 @@ async def warm_up(session: Session) -> None:
     session.warmed_up = True
 
 
+async def reset_prefix_cache(session: Session) -> bool:
+    """``POST /reset_prefix_cache`` (inflight's and vLLM's route) so the point starts with a
+    cold prefix cache. Returns False, with a warning, where the server lacks the route."""
+    url = session.load.base_url.rstrip("/") + "/reset_prefix_cache"
+    try:
+        r = await session.client.post(url, headers=session.headers, timeout=30)
+    except httpx.HTTPError as e:
+        logger.warning("reset_prefix_cache failed: %s", e)
+        return False
+    if r.status_code != 200:
+        logger.warning("reset_prefix_cache: the server answered %d", r.status_code)
+        return False
+    return True
+
+
 async def wait_idle(session: Session, timeout: float = 30.0) -> None:
     """Wait (bounded) until the server reports nothing running or waiting, if it reports."""
     if not session.load.scrape_metrics:
@@ -201,6 +221,8 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
     """
     await warm_up(session)
     await wait_idle(session)
+    if session.load.reset_prefix_cache:
+        await reset_prefix_cache(session)
     offsets = offsets_for(session, arrival)
     if arrival.duration is not None:
         offsets = [o for o in offsets if o <= arrival.duration]

@@ -246,6 +246,20 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop idle cached KV blocks, on the engine thread between steps; returns how many.
+
+        Raises:
+            EngineDeadError: the engine loop is not running.
+        """
+        if not self.is_running:
+            raise EngineDeadError(self._dead or "the engine is not running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._commands.put(("call", self.engine.reset_prefix_cache, loop, done))
+        self._wake.set()
+        return await done
+
     def abort_all(self) -> None:
         """Abort every request in flight (shutdown's grace period ran out)."""
         self._commands.put(("abort_all",))
@@ -328,6 +342,13 @@ class AsyncEngine:
                     self._stats = replace(self._stats, num_waiting=self._stats.num_waiting + params.n)
             elif cmd[0] == "abort_all":
                 self._abort_all()
+            elif cmd[0] == "call":
+                _, fn, loop, done = cmd
+                try:
+                    result, error = fn(), None
+                except Exception as e:
+                    result, error = None, e
+                loop.call_soon_threadsafe(_settle, done, result, error)
             else:
                 try:
                     self.engine.abort_request(cmd[1])
@@ -395,6 +416,20 @@ def merge_outputs(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
     return replace(new, outputs=[by_index[i] for i in sorted(by_index)])
 
 
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return  # the caller went away
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _hit_rate(now: EngineStats, before: EngineStats) -> float:
+    queries = now.prefix_cache_queries - before.prefix_cache_queries
+    return (now.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0
+
+
 class StatsLogger:
     """Logs one line every ``interval_s`` seconds while the engine steps.
 
@@ -423,9 +458,11 @@ class StatsLogger:
         last = self._last
         logger.info(
             "running: %d, waiting: %d, KV cache usage: %.1f%%, prompt throughput: %.1f tok/s, "
-            "generation throughput: %.1f tok/s, preemptions: %d (+%d)",
+            "generation throughput: %.1f tok/s, preemptions: %d (+%d), "
+            "prefix cache hit rate: %.1f%%",
             stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage,
             (stats.prompt_tokens - last.prompt_tokens) / dt,
             (stats.generation_tokens - last.generation_tokens) / dt,
-            stats.num_preemptions, stats.num_preemptions - last.num_preemptions)
+            stats.num_preemptions, stats.num_preemptions - last.num_preemptions,
+            100 * _hit_rate(stats, last))
         self._last, self._last_time = stats, now

@@ -86,6 +86,7 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_ops_router(ctx, metrics))
+    app.include_router(_admin_router(ctx, api_key))
     return app
 
 
@@ -184,6 +185,19 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
         """OpenAI's chat completions (https://platform.openai.com/docs/api-reference/chat)."""
         gen = await serving.prepare_chat(ctx, body, time.monotonic())
         return await _respond(request, gen, body, serving.stream_chat, serving.chat_response)
+
+    return router
+
+
+def _admin_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
+    """Routes that change engine state; they need the API key when one is set."""
+    router = APIRouter(dependencies=[Depends(_auth(api_key))])
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """Drop every cached KV block no running request holds (vLLM's route), so a
+        benchmark can start cold. Returns how many blocks were dropped."""
+        return {"num_dropped_blocks": await ctx.engine.reset_prefix_cache()}
 
     return router
 

@@ -146,6 +146,11 @@ class ServerMetrics:
         self.generation_tokens = Counter("inflight:generation_tokens", "Output tokens sampled.",
                                          registry=r)
         self.preemptions = Counter("inflight:num_preemptions", "Preemptions.", registry=r)
+        self.prefix_cache_queries = Counter(
+            "inflight:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            "inflight:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
         self.request_success = Counter(
             "inflight:request_success", "Finished sequences, by finish reason "
             "(stop, length, abort; error when the engine failed the request).",
@@ -171,6 +176,10 @@ class ServerMetrics:
         last = self._last_stats
         if stats.num_preemptions > last.num_preemptions:
             self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        if stats.prefix_cache_queries > last.prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        if stats.prefix_cache_hits > last.prefix_cache_hits:
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         if stats.num_steps > last.num_steps:
             self.iteration_tokens.observe(stats.prompt_tokens + stats.generation_tokens
                                           - last.prompt_tokens - last.generation_tokens)
@@ -243,4 +252,6 @@ class ServerMetrics:
             "prompt_tokens_total": self._num_prompt_tokens,
             "generation_tokens_total": self._num_generation_tokens,
             "num_steps": s.num_steps,
+            "prefix_cache_queries_total": s.prefix_cache_queries,
+            "prefix_cache_hits_total": s.prefix_cache_hits,
         }

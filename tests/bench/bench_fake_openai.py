@@ -58,6 +58,7 @@ class ServerState:
     bodies: list[dict] = field(default_factory=list)
     running: int = 0
     preemptions: float = 0.0
+    prefix_cache_resets: int = 0
 
 
 def make_app(state: ServerState) -> FastAPI:
@@ -66,6 +67,11 @@ def make_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        state.prefix_cache_resets += 1
+        return {"num_dropped_blocks": 0}
 
     @app.get("/v1/models")
     async def models():

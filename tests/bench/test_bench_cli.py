@@ -168,3 +168,14 @@ def test_bench_imports_nothing_from_the_engine():
                 names = [node.module or ""]
             for name in names:
                 assert not name.startswith("inflight") or name.startswith("inflight.bench"), (path.name, name)
+
+
+def test_reset_prefix_cache_before_each_point(fake_server, data_dir, tmp_path):
+    state = ServerState()
+    srv = fake_server(state)
+    out = tmp_path / "s.json"
+    rc = main(["sweep", *common(srv.base_url, data_dir), "--num-prompts", "3",
+               "--request-rates", "20,40", "--reset-prefix-cache", "--save-result", str(out)])
+    assert rc == 0 and state.prefix_cache_resets == 2
+    point = json.loads(out.read_text())["points"][0]
+    assert point["fixed"]["cache_state"]["reset_prefix_cache"] is True
