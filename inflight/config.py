@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from inflight.core.policies import BATCHING_POLICIES
+from inflight.core.queue_policy import SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -44,6 +45,10 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
         batching_policy: ``continuous``, ``static`` or ``dynamic``.
         max_queue_delay: dynamic policy: seconds the oldest request may wait for a batch.
+        scheduling_policy: ``fcfs``, ``priority`` or ``slo`` (``inflight.core.queue_policy``).
+        ttft_slo, itl_slo: default latency targets, seconds, for the ``slo`` policy.
+        max_queue_time: shed a request that waited this many seconds without starting.
+        priority_aging_s: ``priority`` policy: seconds of waiting worth one priority level.
         num_threads: torch intra-op threads on CPU (None: torch's default).
         seed: seed of the default generator for unseeded sampling.
     """
@@ -63,6 +68,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     batching_policy: str = "continuous"
     max_queue_delay: float = 0.05
+    scheduling_policy: str = "fcfs"
+    ttft_slo: float | None = None
+    itl_slo: float | None = None
+    max_queue_time: float | None = None
+    priority_aging_s: float = 10.0
     num_threads: int | None = None
     seed: int = 0
 
@@ -87,6 +97,12 @@ class EngineConfig:
               f"must be one of {BATCHING_POLICIES}")
         check(self.max_queue_delay >= 0, "max_queue_delay", "must be >= 0 seconds")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+              f"must be one of {SCHEDULING_POLICIES}")
+        for name in ("ttft_slo", "itl_slo", "max_queue_time"):
+            value = getattr(self, name)
+            check(value is None or value > 0, name, "must be > 0 seconds")
+        check(self.priority_aging_s >= 0, "priority_aging_s", "must be >= 0 seconds (0: no aging)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -113,6 +129,18 @@ class EngineConfig:
         g.add_argument("--batching-policy", default="continuous", choices=BATCHING_POLICIES)
         g.add_argument("--max-queue-delay", type=float, default=0.05,
                        help="dynamic policy: seconds the oldest request waits for a batch")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                       help="fcfs; priority (request field 'priority', lower first, with aging); "
+                            "slo (earliest TTFT deadline first, ITL-bounded step budget, "
+                            "shedding of requests that cannot meet their TTFT target)")
+        g.add_argument("--ttft-slo", type=float, default=None,
+                       help="slo policy: default TTFT target, seconds")
+        g.add_argument("--itl-slo", type=float, default=None,
+                       help="slo policy: default inter-token latency target, seconds")
+        g.add_argument("--max-queue-time", type=float, default=None,
+                       help="shed requests that waited this many seconds without starting")
+        g.add_argument("--priority-aging-s", type=float, default=10.0,
+                       help="priority policy: seconds of waiting worth one priority level")
         g.add_argument("--num-threads", type=int, default=None)
         g.add_argument("--seed", type=int, default=0)
 

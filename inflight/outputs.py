@@ -65,6 +65,9 @@ class RequestOutput:
         finished: every completion has finished.
         metrics: timestamps of the first completion (of the whole request when ``n == 1``).
         error: set when the request failed inside the engine (it is then finished).
+        shed_reason: set when load shedding rejected the request before it started
+            (``max_queue_time``, or a TTFT deadline it could not meet); finish reason abort.
+        num_cached_tokens: prompt tokens served from the prefix cache.
     """
 
     request_id: str
@@ -74,5 +77,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    shed_reason: str | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)

@@ -46,15 +46,22 @@ class Request:
         sampling_params: validated parameters.
         arrival_time: seconds, ``time.monotonic()`` clock.
         eos_token_ids: ids that finish the request unless ``ignore_eos``.
+        priority: lower is served first under ``scheduling_policy="priority"``.
+        ttft_slo, itl_slo: latency targets in seconds for ``scheduling_policy="slo"``.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), *, priority: int = 0,
+                 ttft_slo: float | None = None, itl_slo: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
+        self.priority = priority  # lower runs first under the priority policy
+        self.ttft_slo = ttft_slo  # seconds; None: the engine's default target
+        self.itl_slo = itl_slo
+        self.shed_reason: str | None = None  # why load shedding rejected it
         self.output_token_ids: list[int] = []
         # Per output token: {token_id: logprob}, the sampled token plus the top-k.
         self.output_logprobs: list[dict[int, float]] = []

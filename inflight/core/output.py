@@ -45,13 +45,17 @@ class SchedulerOutput:
     Attributes:
         scheduled: requests given tokens this step, in scheduling order.
         preempted: requests preempted (blocks freed, back to waiting) during scheduling.
+        shed: waiting requests rejected this step (load shedding; already finished, aborted,
+            with ``shed_reason`` set).
         num_batched_tokens: total tokens scheduled (<= ``max_num_batched_tokens``).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    shed: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to run (shed requests still need their outputs)."""
         return not self.scheduled

@@ -15,6 +15,7 @@ One step (see DESIGN.md):
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
@@ -22,6 +23,8 @@ from inflight.config import EngineConfig
 from inflight.core.kv_cache import KVCacheManager
 from inflight.core.output import ScheduledRequest, SchedulerOutput
 from inflight.core.policies import can_admit
+from inflight.core.queue_policy import make_policy
+from inflight.core.step_model import StepTimeModel
 from inflight.request import Request, RequestStatus
 
 
@@ -42,6 +45,10 @@ class Scheduler:
         # Admission keeps a few blocks spare so a freshly admitted request is not preempted
         # by the next decode step's block (vLLM's watermark, 1% of the pool).
         self.watermark_blocks = int(0.01 * kv_cache.num_blocks)
+        self.step_model = StepTimeModel()
+        self.policy = make_policy(config.scheduling_policy, ttft_slo=config.ttft_slo,
+                                  itl_slo=config.itl_slo, priority_aging_s=config.priority_aging_s,
+                                  step_model=self.step_model)
 
     # --- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -80,7 +87,9 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         self.kv_cache.begin_step()
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._shed(out, now)
+        budget = self.policy.step_budget(self.running, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
         return out
@@ -94,7 +103,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv_cache.allocate(req, n):
-                victim = self.running.pop()
+                victim = self.running.pop()  # the policy keeps the first victim last
                 self._preempt(victim, out)
                 if victim is req:
                     return budget
@@ -109,14 +118,15 @@ class Scheduler:
         # budget (members then prefill over the next steps); nothing joins it afterwards.
         is_batch_policy = cfg.batching_policy != "continuous"
         launching = False
-        while self.waiting and len(self.running) < cfg.max_num_seqs:
+        for req in self.policy.waiting_order(self.waiting, now):
+            if len(self.running) >= cfg.max_num_seqs:
+                break
             if budget <= 0 and not launching:
                 break
             if not can_admit(cfg.batching_policy, self.running, self.waiting,
                              max_num_seqs=cfg.max_num_seqs, max_queue_delay=cfg.max_queue_delay,
                              now=now, launching=launching):
                 break
-            req = self.waiting[0]
             hits = self.kv_cache.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv_cache.block_size
             remaining = req.num_tokens - num_hit_tokens
@@ -132,17 +142,38 @@ class Scheduler:
             if not self.kv_cache.allocate(req, n, hits):
                 break
             self.kv_cache.record_lookup(req, hits)
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 req.num_cached_tokens = num_hit_tokens
-            self.running.append(req)
+            self._add_running(req)
             launching = is_batch_policy
             if n:
                 self._add_scheduled(out, req, n)
                 budget -= n
+
+    def _add_running(self, req: Request) -> None:
+        key = self.policy.running_key(req)
+        if key is None:
+            self.running.append(req)
+        else:  # after every request with the same key: the newest is preempted first
+            bisect.insort_right(self.running, req, key=self.policy.running_key)
+
+    def _shed(self, out: SchedulerOutput, now: float) -> None:
+        """Reject waiting requests that can no longer be served in time (load shedding):
+        those past ``max_queue_time`` and those the policy finds infeasible."""
+        fresh = [r for r in self.waiting if r.first_scheduled_time is None]
+        limit = self.config.max_queue_time
+        shed = [(r, f"waited {now - r.arrival_time:.2f} s, longer than max_queue_time "
+                    f"{limit:g} s") for r in fresh if limit is not None and now - r.arrival_time > limit]
+        seen = {r.request_id for r, _ in shed}
+        shed += [(r, why) for r, why in self.policy.infeasible(fresh, now) if r.request_id not in seen]
+        for req, why in shed:
+            req.shed_reason = why
+            self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            out.shed.append(req)
 
     def _num_tokens_to_schedule(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)

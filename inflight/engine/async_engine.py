@@ -201,7 +201,7 @@ class AsyncEngine:
     # --- requests (event-loop side) -------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams, *,
-                    arrival_time: float | None = None) -> RequestStream:
+                    arrival_time: float | None = None, **scheduling) -> RequestStream:
         """Queue a request; returns its ``RequestStream`` at once.
 
         Must be called from a running event loop (the outputs are delivered to it).
@@ -212,6 +212,7 @@ class AsyncEngine:
             sampling_params: validated parameters.
             arrival_time: ``time.monotonic()`` seconds when the request arrived; TTFT and
                 queue time count from here. Now when None.
+            scheduling: ``priority``, ``ttft_slo``, ``itl_slo`` for ``Engine.add_request``.
 
         Raises:
             EngineOverloadedError: ``max_num_waiting`` sequences already wait.
@@ -237,7 +238,7 @@ class AsyncEngine:
             self._num_pending += n
             self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(("add", request_id, prompt, sampling_params, arrival))
+        self._commands.put(("add", request_id, prompt, sampling_params, arrival, scheduling))
         self._wake.set()
         return stream
 
@@ -326,9 +327,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, arrival = cmd
+                _, rid, prompt, params, arrival, scheduling = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, stream=True, arrival_time=arrival)
+                    self.engine.add_request(rid, prompt, params, stream=True, arrival_time=arrival,
+                                            **scheduling)
                 except Exception as e:
                     with self._lock:
                         self._num_pending -= params.n

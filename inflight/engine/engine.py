@@ -72,6 +72,7 @@ class _RequestGroup:
         self.stream = stream
         self.seqs: list[_Sequence] = []
         self.error: str | None = None
+        self.shed_reason: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -152,7 +153,8 @@ class Engine:
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams | None = None, *, stream: bool = False,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    ttft_slo: float | None = None, itl_slo: float | None = None) -> None:
         """Queue a request.
 
         Args:
@@ -162,6 +164,8 @@ class Engine:
             stream: emit an output every step with only the new text/tokens (deltas);
                 otherwise one cumulative output when the request finishes.
             arrival_time: ``time.monotonic()`` seconds; now when None.
+            priority: lower is served first under the ``priority`` scheduling policy.
+            ttft_slo, itl_slo: this request's latency targets (seconds) under ``slo``.
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids out of the vocabulary, or a
@@ -180,7 +184,8 @@ class Engine:
             if params.n > 1:
                 seq_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             seq_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            req = Request(seq_id, prompt_ids, seq_params, arrival, self.eos_token_ids)
+            req = Request(seq_id, prompt_ids, seq_params, arrival, self.eos_token_ids,
+                          priority=priority, ttft_slo=ttft_slo, itl_slo=itl_slo)
             seq = _Sequence(req, i, self._make_detokenizer(req), request_id)
             group.seqs.append(seq)
             self._seqs[seq_id] = seq
@@ -264,12 +269,15 @@ class Engine:
             Outputs of requests that progressed (streamed ones) or finished this step.
         """
         out = self.scheduler.schedule()
+        for req in out.shed:
+            self._on_shed(req)
         if not out.is_empty:
             self._num_steps += 1
             self._num_prompt_tokens += sum(
                 max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
                            s.request.num_prompt_tokens) - s.num_computed_tokens)
                 for s in out.scheduled)
+            t0 = time.perf_counter()
             try:
                 results = self.runner.execute(out)
             except Exception as e:  # one bad step must not kill the loop: fail its requests
@@ -277,6 +285,7 @@ class Engine:
                 self.kv_cache.discard_step()
                 self._fail([s.request for s in out.scheduled], f"{type(e).__name__}: {e}")
             else:
+                self.scheduler.step_model.observe(out.num_batched_tokens, time.perf_counter() - t0)
                 now = time.monotonic()
                 for res in results:
                     try:
@@ -321,6 +330,14 @@ class Engine:
         sampler = getattr(self.runner, "sampler", None)
         if sampler is not None:
             sampler.release(req.request_id)
+
+    def _on_shed(self, req: Request) -> None:
+        """A sequence shed by the scheduler: the whole request is rejected with its reason."""
+        group = self._groups[self._group_id(req)]
+        group.shed_reason = req.shed_reason
+        for seq in group.seqs:
+            self._finish(seq.request, RequestStatus.FINISHED_ABORTED)
+        self._dirty[group.request_id] = group
 
     def _fail(self, requests: list[Request], message: str) -> None:
         for req in requests:
@@ -374,4 +391,5 @@ class Engine:
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=metrics, error=group.error,
+                             shed_reason=group.shed_reason,
                              num_cached_tokens=first.num_cached_tokens)

@@ -122,8 +122,10 @@ class Generation:
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], arrival_time: float) -> None:
+                 params: list[SamplingParams], arrival_time: float,
+                 scheduling: dict | None = None) -> None:
         self.ctx = ctx
+        self.scheduling = scheduling or {}  # priority, ttft_slo, itl_slo
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -137,7 +139,8 @@ class Generation:
         try:
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
                 self.streams.append(self.ctx.engine.add_request(
-                    f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time))
+                    f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time,
+                    **self.scheduling))
         except EngineOverloadedError as e:
             self.abort()
             raise OpenAIError(503, str(e), code="server_overloaded",
@@ -190,6 +193,10 @@ class Generation:
 def _checked(out: RequestOutput) -> RequestOutput:
     if out.error:
         raise RequestFailedError(out.error)
+    if out.shed_reason:
+        # Load shedding: the server chose not to serve it in time; the client may retry.
+        raise OpenAIError(503, f"request shed: {out.shed_reason}", code="server_overloaded",
+                          headers={"Retry-After": "1"})
     return out
 
 

@@ -57,6 +57,14 @@ class SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Scheduling (vLLM's ``priority``; inflight's latency targets for --scheduling-policy slo).
+    priority: int = 0
+    ttft_slo: Annotated[float, Field(gt=0)] | None = None
+    itl_slo: Annotated[float, Field(gt=0)] | None = None
+
+    def scheduling(self) -> dict:
+        """The scheduler's per-request fields."""
+        return {"priority": self.priority, "ttft_slo": self.ttft_slo, "itl_slo": self.itl_slo}
 
 
 class CompletionRequest(SamplingRequest):

@@ -54,7 +54,8 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
     params = [build_sampling_params(req, check_prompt_len(ctx.engine, len(ids), req.max_tokens,
                                                           "prompt"), req.logprobs)
               for ids in prompts]
-    return Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time)
+    return Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
+                      req.scheduling())
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -152,7 +153,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
     mt = check_prompt_len(ctx.engine, len(ids), max_tokens, "messages", max_param)
     params = build_sampling_params(req, mt, logprobs,
                                    {"logprobs": "top_logprobs", "max_tokens": max_param})
-    return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time)
+    return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
+                      req.scheduling())
 
 
 def render_messages(messages) -> list[dict]:

@@ -188,19 +188,22 @@ def test_n_fans_out_and_aggregates():
     budget=st.integers(1, 64),
     max_num_seqs=st.integers(1, 6),
     policy=st.sampled_from(["continuous", "static", "dynamic"]),
+    scheduling=st.sampled_from(["fcfs", "priority", "slo"]),
     aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 11)), max_size=5),
 )
 def test_random_workloads_keep_invariants(workload, num_blocks, budget, max_num_seqs, policy,
-                                          aborts):
+                                          scheduling, aborts):
     runner = FakeRunner()
     engine = make_engine(runner, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                         max_num_seqs=max_num_seqs, batching_policy=policy, max_queue_delay=0.0)
+                         max_num_seqs=max_num_seqs, batching_policy=policy, max_queue_delay=0.0,
+                         scheduling_policy=scheduling, itl_slo=0.01, ttft_slo=5.0)
     ids = []
     for i, (prompt_len, max_tokens) in enumerate(workload):
         if prompt_len >= num_blocks * 4:
             continue
-        engine.add_request(str(i), [3] * prompt_len,
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(str(i), [3 + i % 5] * prompt_len,
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           priority=(i * 7) % 3)
         ids.append(str(i))
     ended = {}
     for step in range(2000):

@@ -1,0 +1,131 @@
+"""Scheduling policies: who is admitted next, who is preempted first, who is shed. Torch-free.
+
+- ``fcfs``: arrival order; preempt the newest running request (vLLM's default).
+- ``priority``: lower ``Request.priority`` first, ties by arrival (vLLM's ``priority``
+  policy); under KV pressure the lowest-priority running request is preempted first.
+  Aging prevents starvation: every ``priority_aging_s`` seconds a request waits improves
+  its effective priority by one level, so any request eventually outranks newer arrivals.
+- ``slo``: earliest deadline first (Liu & Layland, JACM 1973) on the waiting queue, deadline
+  = arrival + TTFT target; the step's token budget is capped so the predicted step time
+  stays within the tightest ITL target of the running decodes, and prefills get what is
+  left (Sarathi-Serve's stall-free batching with a TBT-SLO-derived budget, Agrawal et al.,
+  OSDI 2024); a waiting request whose TTFT deadline cannot be met even if it started now
+  is shed at once rather than served late (deadline-aware admission control).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from inflight.core.step_model import StepTimeModel
+from inflight.request import Request
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+
+
+class FCFSPolicy:
+    """Arrival order; preempted requests (at the queue head) go first."""
+
+    def waiting_order(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        return list(waiting)
+
+    def running_key(self, req: Request):
+        """Sort key of the running list (None: admission order). Preemption takes the
+        last running request, so the key puts the first to be preempted last."""
+        return None
+
+    def step_budget(self, running: list[Request], budget: int) -> int:
+        return budget
+
+    def infeasible(self, waiting: Iterable[Request], now: float) -> list[tuple[Request, str]]:
+        return []
+
+
+class PriorityPolicy(FCFSPolicy):
+    """Lower ``priority`` first with aging (see the module docstring).
+
+    Args:
+        aging_s: seconds of waiting that raise a request by one priority level.
+    """
+
+    def __init__(self, aging_s: float) -> None:
+        self.aging_s = aging_s
+
+    def effective_priority(self, req: Request, now: float) -> float:
+        waited = max(now - req.arrival_time, 0.0)
+        return req.priority - (math.floor(waited / self.aging_s) if self.aging_s > 0 else 0)
+
+    def waiting_order(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        return sorted(waiting, key=lambda r: (self.effective_priority(r, now), r.arrival_time))
+
+    def running_key(self, req: Request):
+        # Highest priority number is preempted first; among equals, the latest admitted.
+        return req.priority
+
+
+class SLOPolicy(FCFSPolicy):
+    """Deadline-ordered admission, ITL-protecting budget, TTFT-infeasibility shedding.
+
+    Args:
+        ttft_slo, itl_slo: default targets (seconds) for requests that set none.
+        step_model: the engine's online step-time model.
+    """
+
+    def __init__(self, ttft_slo: float | None, itl_slo: float | None,
+                 step_model: StepTimeModel) -> None:
+        self.ttft_slo = ttft_slo
+        self.itl_slo = itl_slo
+        self.step_model = step_model
+
+    def deadline(self, req: Request) -> float:
+        if req.first_scheduled_time is not None:
+            return -math.inf  # preempted work already under way comes back first
+        target = req.ttft_slo if req.ttft_slo is not None else self.ttft_slo
+        return math.inf if target is None else req.arrival_time + target
+
+    def waiting_order(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        return sorted(waiting, key=lambda r: (self.deadline(r), r.arrival_time))
+
+    def step_budget(self, running: list[Request], budget: int) -> int:
+        decoding = [r for r in running if r.num_output_tokens > 0]
+        targets = [r.itl_slo if r.itl_slo is not None else self.itl_slo for r in decoding]
+        targets = [t for t in targets if t is not None]
+        if not targets:
+            return budget
+        fits = self.step_model.max_tokens_within(min(targets))
+        if fits is None:
+            return budget
+        # Decodes always get their token, and one prefill token keeps admission moving.
+        return min(budget, max(fits, len(decoding) + 1))
+
+    def infeasible(self, waiting: Iterable[Request], now: float) -> list[tuple[Request, str]]:
+        if not self.step_model.ready:
+            return []
+        shed = []
+        for req in waiting:
+            deadline = self.deadline(req)
+            if math.isinf(deadline):
+                continue
+            finish = now + self.step_model.predict(req.num_tokens)
+            if finish > deadline:
+                shed.append((req, f"TTFT deadline missed: would reach its first token "
+                                  f"{finish - req.arrival_time:.2f} s after arrival, target "
+                                  f"{deadline - req.arrival_time:.2f} s"))
+        return shed
+
+
+def make_policy(name: str, *, ttft_slo: float | None, itl_slo: float | None,
+                priority_aging_s: float, step_model: StepTimeModel):
+    """The policy object for ``--scheduling-policy name``.
+
+    Raises:
+        ValueError: an unknown policy name.
+    """
+    if name == "fcfs":
+        return FCFSPolicy()
+    if name == "priority":
+        return PriorityPolicy(priority_aging_s)
+    if name == "slo":
+        return SLOPolicy(ttft_slo, itl_slo, step_model)
+    raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {name!r}")
