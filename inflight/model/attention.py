@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from inflight.model.kernels import paged_decode_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -106,6 +108,18 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    out = paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+    if out is not None:  # the native kernel reads the blocks in place, without a gather
+        return out
+    return decode_attention_torch(q, kv_cache, block_tables, seq_lens, scale)
+
+
+def decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention in PyTorch (any device): gather the blocks, then one batched SDPA.
+
+    Shapes as ``inflight.model.kernels.paged_decode_attention``.
+    """
     b, num_heads, d = q.shape
     h_kv = kv_cache.shape[1]
     kv = _gather_blocks(kv_cache, block_tables.reshape(-1)).view(2, h_kv, b, -1, d)

@@ -1,0 +1,107 @@
+"""Native CPU kernels, compiled on first use with the system C compiler and loaded with
+ctypes (no torch headers, so a build takes about a second). Anything missing (no compiler,
+a failed build, an unsupported shape) falls back to the PyTorch path, logged once.
+
+``INFLIGHT_ATTENTION_BACKEND=torch`` forces the fallback; ``INFLIGHT_KERNEL_CACHE`` sets
+where built libraries go (default ``~/.cache/inflight/kernels``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+# Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+           "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-fopenmp",
+           "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _build() -> ctypes.CDLL | None:
+    if os.environ.get("INFLIGHT_ATTENTION_BACKEND", "").lower() == "torch":
+        return None
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        logger.warning("no C compiler found: paged attention uses the PyTorch fallback")
+        return None
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(_CFLAGS).encode() + platform.machine().encode()
+                         + platform.node().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("INFLIGHT_KERNEL_CACHE", Path.home() / ".cache/inflight/kernels"))
+    lib_path = cache / f"paged_attention-{key}.so"
+    if not lib_path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            tmp_lib = Path(tmp) / lib_path.name
+            result = subprocess.run([cc, *_CFLAGS, str(_SOURCE), "-o", str(tmp_lib)],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                logger.warning("building the paged attention kernel failed; using the PyTorch "
+                               "fallback:\n%s", result.stderr[-2000:])
+                return None
+            os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a file
+    lib = ctypes.CDLL(str(lib_path))
+    f = lib.paged_decode_attention
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_float,
+                                                                               ctypes.c_int]
+    return lib
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot be had (built once per process)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _lib = _build()
+        except Exception:  # a broken toolchain must not take the engine down
+            logger.exception("loading the paged attention kernel failed; using PyTorch")
+            _lib = None
+    return _lib
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Decode attention over the paged cache with the native kernel.
+
+    Args:
+        q: ``[B, num_heads, head_dim]``, float32 or bfloat16, CPU.
+        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, q's dtype.
+        block_tables: ``[B, max_blocks]`` int64; seq_lens: ``[B]`` int64 (>= 1 each).
+        scale: softmax scale.
+
+    Returns:
+        ``[B, num_heads, head_dim]`` in q's dtype, or None when the kernel cannot run these
+        inputs (then the caller uses the PyTorch path).
+    """
+    lib = native_library()
+    if (lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
+            or kv_cache.dtype != q.dtype):
+        return None
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    lens = seq_lens.contiguous()
+    out = torch.empty_like(q)
+    b, h, d = q.shape
+    _, h_kv, num_blocks, block_size, _ = kv_cache.shape
+    rc = lib.paged_decode_attention(
+        int(q.dtype == torch.bfloat16), q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), out.data_ptr(), b, h, h_kv, d, num_blocks, block_size,
+        tables.shape[1], scale, torch.get_num_threads())
+    return out if rc == 0 else None
