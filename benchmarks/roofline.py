@@ -1,0 +1,125 @@
+"""Roofline for the bundled model on this machine, and where the engine's decode sits on it.
+
+Measures, in one run:
+- matmul throughput (GFLOP/s), float32 and bfloat16, on a large square GEMM (the peak)
+  and on the model's own decode shapes (batch x hidden -> qkv / o / gate_up / down);
+- memory bandwidth (GB/s) from a large tensor copy (bytes read + written);
+- from them, the bounds on decode tokens/s: bandwidth-bound at batch 1 (every step reads
+  all weights once), compute-bound at large batch (2 FLOPs per weight per token);
+- the engine's steady-state decode tokens/s at batch 1, 8, 32, 64, 128 and its share of
+  each bound.
+
+    .venv/bin/python benchmarks/roofline.py --dtypes bfloat16 float32 --batches 1 8 32 64 128
+
+The machine is shared: run it idle, and read the printed load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def _bench(fn, min_time: float = 0.5) -> float:
+    """Seconds per call, best of repeated timings of at least ``min_time`` seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < min_time / 3:
+            fn()
+            n += 1
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def matmul_gflops(m: int, n: int, k: int, dtype: torch.dtype) -> float:
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    return 2 * m * n * k / _bench(lambda: a @ b) / 1e9
+
+
+def bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _bench(lambda: dst.copy_(src), min_time=1.0) / 1e9
+
+
+def decode_tokens_per_s(model, dtype: torch.dtype, batch: int, context: int = 128,
+                        steps: int = 16) -> float:
+    from inflight.config import EngineConfig
+    from inflight.engine import Engine
+    from inflight.runner import ModelRunner
+    from inflight.sampler import Sampler
+    from inflight.sampling_params import SamplingParams
+
+    blocks = batch * ((context + steps) // 16 + 2)
+    runner = ModelRunner(model, blocks, 16, dtype, Sampler())
+    engine = Engine(EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch)),
+                    runner=runner, num_blocks=blocks, max_model_len=4096, eos_token_ids=[])
+    for i in range(batch):
+        engine.add_request(str(i), [(100 + i + j) % 40000 + 100 for j in range(context)],
+                           SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill, not timed
+    engine.step()
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(steps):
+        engine.step()
+        n += 1
+    return batch * n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    args = ap.parse_args()
+
+    from inflight.model.bundled import find_bundled_model
+    from inflight.model.llama import LlamaForCausalLM
+    from inflight.model.loader import load_model
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    bw = bandwidth_gbs()
+    print(f"memory bandwidth (copy): {bw:.1f} GB/s")
+    config, state = load_model(find_bundled_model())
+    c = config
+    layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+             + 3 * c.hidden_size * c.intermediate_size)
+    matmul_params = c.num_hidden_layers * layer + c.vocab_size * c.hidden_size
+    shapes = {"qkv": (c.hidden_size, c.q_size + 2 * c.kv_size), "o": (c.q_size, c.hidden_size),
+              "gate_up": (c.hidden_size, 2 * c.intermediate_size),
+              "down": (c.intermediate_size, c.hidden_size)}
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        elem = torch.empty((), dtype=dtype).element_size()
+        peak = matmul_gflops(2048, 2048, 2048, dtype)
+        print(f"\n== {name}: large GEMM peak {peak:.0f} GFLOP/s")
+        for batch in args.batches:
+            own = {k: matmul_gflops(batch, n, kk, dtype) for k, (kk, n) in shapes.items()}
+            print(f"  model shapes at batch {batch:4d}: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in own.items()) + " GFLOP/s")
+        bw_bound = bw * 1e9 / 2 / (matmul_params * elem)  # copy GB/s counts read + write
+        compute_bound = peak * 1e9 / (2 * matmul_params)
+        print(f"  bounds: batch-1 bandwidth bound {bw_bound:.0f} tok/s "
+              f"({matmul_params * elem / 1e6:.0f} MB of weights a step); "
+              f"compute bound {compute_bound:.0f} tok/s")
+        model = LlamaForCausalLM(config, dtype=dtype)
+        model.load_weights(state)
+        for batch in args.batches:
+            tps = decode_tokens_per_s(model, dtype, batch, args.context)
+            print(f"  engine decode batch {batch:4d}: {tps:8.1f} tok/s = "
+                  f"{100 * tps / bw_bound:5.1f}% of bandwidth bound, "
+                  f"{100 * tps / compute_bound:5.1f}% of compute bound", flush=True)
+        del model
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
