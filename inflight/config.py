@@ -150,8 +150,13 @@ class EngineConfig:
 
 
 def _parse_bytes(text: str) -> int:
+    """``4096``, ``512M``, ``2G``, ``1.5GiB`` -> bytes."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 4096, 512M or 2G, got {text!r}") from None

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from inflight.sampler import SampleResult
+
+
+# Workload data (../shared/data next to the checkout, as CI lays it out); override with
+# $INFLIGHT_DATA_DIR, as the bench tool does.
+DATA_DIR = Path(os.environ.get("INFLIGHT_DATA_DIR")
+                or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+
+
+def require_data(name: str) -> Path:
+    """Path of a shared data file; skips the calling test, saying where it looked, if absent."""
+    path = DATA_DIR / name
+    if not path.is_file():
+        pytest.skip(f"{path} not found: put the shared data folder next to the checkout "
+                    f"or set INFLIGHT_DATA_DIR")
+    return path
 
 
 class FakeRunner:

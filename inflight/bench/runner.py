@@ -131,6 +131,9 @@ async def _server_models(client: httpx.AsyncClient, base_url: str, headers: dict
         resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
         resp.raise_for_status()
         return list(resp.json().get("data") or [])
+    except httpx.ConnectError as e:
+        raise RuntimeError(f"cannot connect to {base_url}: {e}; is the server running "
+                           f"(see --base-url)?") from None
     except (httpx.HTTPError, ValueError, AttributeError):
         return []
 

@@ -134,10 +134,13 @@ class Engine:
         path = loading.resolve_model_path(config.model)
         t0 = time.monotonic()
         model_config, model, tokenizer = loading.load_model_and_tokenizer(path, dtype, device)
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len: {max_len} exceeds the model's context length "
+                             f"{model_config.max_position_embeddings}")
         blocks = loading.num_kv_blocks(config, model_config, kv_dtype, device)
         runner = ModelRunner(model, blocks, config.block_size, kv_dtype,
                              Sampler(config.seed, device))
-        max_len = config.max_model_len or model_config.max_position_embeddings
         eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
         logger.info("loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = "
                     "%d tokens (%.1f MiB); max_model_len %d", path.name,

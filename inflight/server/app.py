@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -34,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from inflight.engine.async_engine import AsyncEngine
 from inflight.server import serving
 from inflight.server.errors import OpenAIError, bad_request, install_error_handlers
-from inflight.server.generation import Generation, ServerContext
+from inflight.server.generation import Generation, ServerContext, encode
 from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics
 from inflight.server.middleware import BodySizeLimitMiddleware
@@ -205,7 +206,7 @@ def _admin_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
 def _ops_router(ctx: ServerContext, metrics: ServerMetrics) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200 while the engine loop runs; 503 once it stopped (shutdown or crash)."""
         if ctx.engine.is_running:
@@ -231,7 +232,7 @@ def _ops_router(ctx: ServerContext, metrics: ServerMetrics) -> APIRouter:
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await asyncio.to_thread(tok.encode, body.prompt, add_special)
+            ids = await encode(ctx, body.prompt, "prompt", add_special)
         else:
             messages = serving.render_messages(body.messages)
             try:
@@ -239,7 +240,7 @@ def _ops_router(ctx: ServerContext, metrics: ServerMetrics) -> APIRouter:
                                                add_generation_prompt=body.add_generation_prompt)
             except ValueError as e:
                 raise bad_request(str(e), param="messages") from None
-            ids = await asyncio.to_thread(tok.encode, text, bool(body.add_special_tokens))
+            ids = await encode(ctx, text, "messages", bool(body.add_special_tokens))
         return {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids}
 
     @router.post("/detokenize")
@@ -263,7 +264,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -285,6 +286,28 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="log every HTTP request")
     EngineConfig.add_cli_args(p)
     return p
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {port}")
+    return port
+
+
+def _bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the model loads, so a taken port or a bad address
+    fails in a second, not after start-up. Raises ``ValueError`` saying which."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def default_model_name(model: str | None) -> str:
@@ -327,6 +350,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"max_num_waiting: must be >= 0, got {args.max_num_waiting}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [default_model_name(config.model)]
+    sock = _bind_socket(args.host, args.port)
     engine = AsyncEngine(Engine(config), max_num_waiting=args.max_num_waiting,
                          log_interval_s=args.stats_log_interval)
     app = build_app(engine, model_names=names, api_key=api_key,
@@ -342,8 +366,9 @@ def run_serve(args: argparse.Namespace) -> int:
     # handlers; a no-op handler here turns that into a clean return (exit status 0).
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         engine.shutdown()

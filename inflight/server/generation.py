@@ -96,9 +96,20 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int |
 
 def check_common(ctx: ServerContext, req: SamplingRequest) -> None:
     ctx.check_model(req.model)
+    for name in req.unsupported_fields():
+        raise bad_request(f"{name} is not supported", param=name)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true",
                           param="stream_options")
+
+
+async def encode(ctx: ServerContext, text: str, param: str,
+                 add_special_tokens: bool = True) -> list[int]:
+    """Tokenize off the event loop; text the tokenizer refuses (a lone surrogate) is a 400."""
+    try:
+        return await asyncio.to_thread(ctx.engine.tokenizer.encode, text, add_special_tokens)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param=param) from None
 
 
 def check_token_ids(ctx: ServerContext, ids: Sequence[int], param: str) -> None:

@@ -31,8 +31,39 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# OpenAI / vLLM request fields this server does not implement. Sent with a value that
+# would change the output, they get a 400 naming the field rather than being ignored;
+# other unknown fields (``user``, ``metadata``, ``store``, ...) are ignored, as OpenAI does.
+UNSUPPORTED_FIELDS = frozenset({
+    "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_decoding_backend", "structured_outputs", "functions",
+    "function_call", "tool_choice", "echo", "suffix", "best_of", "chat_template",
+    "chat_template_kwargs", "continue_final_message", "prompt_logprobs", "logits_processors",
+    "audio", "modalities", "prediction", "bad_words", "allowed_token_ids",
+})
+
+
+def _is_inert(name: str, value, n: int) -> bool:
+    """Whether an unsupported field's value asks for nothing beyond the defaults."""
+    if value in (None, False, {}, []):
+        return True
+    if name == "response_format":
+        return isinstance(value, dict) and value.get("type") == "text"
+    if name == "tool_choice":
+        return value == "none"
+    return name == "best_of" and value == n
+
+
 class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields of ``UNSUPPORTED_FIELDS`` sent with a value that matters."""
+        extra = self.model_extra or {}
+        return [k for k, v in extra.items()
+                if k in UNSUPPORTED_FIELDS and not _is_inert(k, v, self.n)]
 
     model: str | None = Field(None, description="a served model name; None: the first one")
     max_tokens: int | None = Field(

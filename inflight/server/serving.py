@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from inflight.outputs import RequestOutput
 from inflight.server.errors import OpenAIError, bad_request
-from inflight.server.generation import (Generation, ServerContext, build_sampling_params,
+from inflight.server.generation import (Generation, ServerContext, build_sampling_params, encode,
                                         check_common, check_prompt_len, check_token_ids)
 from inflight.server.logprobs import chat_logprobs, completion_logprobs
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -40,11 +40,10 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
         raw = [raw]
     if not raw:
         raise bad_request("prompt: must not be empty", param="prompt")
-    tok = ctx.engine.tokenizer
     prompts: list[list[int]] = []
     for p in raw:
         if isinstance(p, str):
-            ids = await asyncio.to_thread(tok.encode, p) if p else []
+            ids = await encode(ctx, p, "prompt") if p else []
         else:
             check_token_ids(ctx, p, "prompt")
             ids = list(p)
@@ -139,7 +138,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
                                        add_generation_prompt=req.add_generation_prompt)
     except ValueError as e:
         raise bad_request(str(e), param="messages") from None
-    ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
+    ids = await encode(ctx, text, "messages", add_special_tokens=False)
     if not ids:
         raise bad_request("messages: the rendered prompt is empty", param="messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \

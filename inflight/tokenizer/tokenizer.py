@@ -140,8 +140,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special-token texts in ``text`` (e.g. ``<|im_start|>``) map to
         their ids. With ``add_special_tokens`` BOS/EOS are added only where the model's tokenizer
-        config asks for them (SmolLM2: nothing is added)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        config asks for them (SmolLM2: nothing is added).
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (a lone surrogate such as U+D800, which
+                JSON's ``\\ud800`` escape can carry but UTF-8 cannot).
+        """
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if isinstance(text, str):
+                bad = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+                if bad is not None:
+                    raise ValueError(f"text is not valid Unicode: lone surrogate "
+                                     f"U+{ord(text[bad]):04X} at index {bad}") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; bytes that do not form complete UTF-8 characters become U+FFFD."""

@@ -14,14 +14,12 @@ if str(HERE) not in sys.path:
 
 from bench_fake_openai import FakeServer, ServerState  # noqa: E402
 
-REPO_ROOT = HERE.parents[1]
-DATA_DIR = (REPO_ROOT / ".." / "shared" / "data").resolve()
+from tests.conftest import DATA_DIR, require_data  # noqa: E402
 
 
 @pytest.fixture
 def data_dir() -> pathlib.Path:
-    if not (DATA_DIR / "vllm_sonnet.txt").exists():
-        pytest.skip(f"shared data folder not found at {DATA_DIR}")
+    require_data("vllm_sonnet.txt")
     return DATA_DIR
 
 

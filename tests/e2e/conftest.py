@@ -4,7 +4,6 @@ with different knobs, and the HF transformers reference on the same GGUF."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from inflight.runner import ModelRunner
 from inflight.sampler import Sampler
 from inflight.tokenizer import Tokenizer
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+from tests.conftest import require_data
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +57,7 @@ def hf_reference(bundled_model_path):
 def chat_prompts():
     """First-turn questions from MT-Bench (shared/data), one per category."""
     seen, prompts = set(), []
-    with open(DATA / "mt_bench_questions.jsonl") as f:
+    with open(require_data("mt_bench_questions.jsonl")) as f:
         for line in f:
             q = json.loads(line)
             if q["category"] not in seen:

@@ -40,8 +40,8 @@ def test_greedy_tokens_equal_hf_generate(make_engine, hf_reference, bundled, cha
 @pytest.fixture(scope="module")
 def mixed_batch(bundled, chat_prompts):
     tokenizer = bundled[2]
-    from tests.e2e.conftest import DATA
-    sonnet = (DATA / "vllm_sonnet.txt").read_text().splitlines()
+    from tests.conftest import require_data
+    sonnet = require_data("vllm_sonnet.txt").read_text().splitlines()
     prompts = [_chat_ids(tokenizer, p) for p in chat_prompts]
     # Mixed lengths: sonnet excerpts of 1..24 lines beside the chat prompts.
     prompts += [tokenizer.encode("\n".join(sonnet[i * 7:i * 7 + 1 + 3 * i])) for i in range(16 - len(prompts))]

@@ -109,6 +109,20 @@ BAD_INPUTS = [
                               "model": "nope"}, 404, "model"),
     ("/v1/completions", {"prompt": "x" * (MAX_BODY + 10)}, 413, None),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+    # Lone surrogates are valid JSON escapes but not Unicode text.
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udfff"}]}', 400,
+     "messages"),
+    ("/tokenize", '{"prompt": "\\ud800"}', 400, "prompt"),
+    # Known OpenAI/vLLM fields this server does not implement are refused, not ignored.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "logit_bias": {"7042": -100}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "best_of": 3}, 400, "best_of"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
 ]
 

@@ -16,11 +16,9 @@ from inflight.model.bundled import find_bundled_model
 from inflight.tokenizer import Tokenizer
 from inflight.tokenizer.gguf_loader import read_gguf_metadata
 
-# The data set lives in ../shared next to the repository (or in shared/ inside a copy of it).
-MT_BENCH = next((p / "shared" / "data" / "mt_bench_questions.jsonl"
-                 for p in pathlib.Path(__file__).resolve().parents
-                 if (p / "shared" / "data" / "mt_bench_questions.jsonl").is_file()),
-                pathlib.Path("shared/data/mt_bench_questions.jsonl"))
+from tests.conftest import DATA_DIR
+
+MT_BENCH = DATA_DIR / "mt_bench_questions.jsonl"
 
 SAMPLES = [
     "Hello, world!",
@@ -40,8 +38,17 @@ SAMPLES = [
 
 
 def mt_bench_prompts(n: int = 20) -> list[str]:
+    """The first ``n`` MT-Bench questions' turns; none where the shared data is absent
+    (``test_mt_bench_data_is_there`` then says so)."""
+    if not MT_BENCH.is_file():
+        return []
     lines = MT_BENCH.read_text(encoding="utf-8").splitlines()[:n]
     return [turn for line in lines for turn in json.loads(line)["turns"]]
+
+
+def test_mt_bench_data_is_there():
+    from tests.conftest import require_data
+    assert len(require_data("mt_bench_questions.jsonl").read_text().splitlines()) == 80
 
 
 @pytest.fixture(scope="module")
