@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("server (same for every policy)")
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-queue-delay", type=float, default=0.5, help="s (used by dynamic only)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="token budget of a step (the server default 2048 is a ~4 s step on 2 cores)")
     g.add_argument("--kv-cache-memory-bytes", default="512M")
     g.add_argument("--num-threads", type=int, default=2)
     g.add_argument("--server-args", default="", help="more flags for every server")
@@ -95,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def serve_template(args) -> str:
     cmd = [args.inflight, "--log-level", "warning", "serve", "--port", str(args.port),
            "--batching-policy", "{value}", "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-queue-delay", str(args.max_queue_delay),
            "--kv-cache-memory-bytes", args.kv_cache_memory_bytes,
            "--num-threads", str(args.num_threads), "--seed", str(args.seed)]
@@ -108,7 +111,10 @@ def common_flags(args) -> list[str]:
             "--max-output-len", str(args.max_output_len), "--arrival", "trace",
             "--num-prompts", str(args.num_prompts), "--num-warmups", str(args.num_warmups),
             "--seed", str(args.seed), "--request-timeout", str(args.request_timeout),
-            "--slo", args.slo, "--disable-tqdm", "--server-log-dir", args.log_dir]
+            "--slo", args.slo, "--disable-tqdm", "--server-log-dir", args.log_dir,
+            # Every point sends the same prompts: without a reset, later points would find
+            # their prompts in the prefix cache and skip most of the prefill work.
+            "--reset-prefix-cache"]
 
 
 def sweep_cmd(args, policy: str, out: pathlib.Path) -> list[str]:
@@ -195,13 +201,16 @@ def build_report(args, out: pathlib.Path, policies: list[str], runs: list[dict])
     capacity, rows = {}, []
     for pol in policies:
         sw = load_json(out / f"sweep-{pol}.json")
+        hits = {p["arrival"]["time_scale"]: (p.get("server_counters") or {}).get(
+            "inflight:prefix_cache_hits_total") for p in (sw or {}).get("points", [])}
         for r in (sw or {}).get("rows", []):
             rows.append({"policy": pol, "time_scale": r["time_scale"], "offered_rate": r["offered_rate"],
                          "request_throughput": r["request_throughput"],
                          "output_throughput": r["output_throughput"], "ttft_p95": r["ttft_p95"],
                          "itl_p95": r["itl_p95"], "ttft_median": r["ttft_median"], "e2e_p95": r["e2e_p95"],
                          "completed": r["completed"], "failed": r["failed"],
-                         "peak_concurrency": r["peak_concurrency"], "preemptions": r["preemptions"]})
+                         "peak_concurrency": r["peak_concurrency"], "preemptions": r["preemptions"],
+                         "prefix_cache_hit_tokens": hits.get(r["time_scale"])})
         cap = load_json(out / f"capacity-{pol}.json")
         if cap and cap.get("results"):
             res = cap["results"][0]
@@ -215,6 +224,8 @@ def build_report(args, out: pathlib.Path, policies: list[str], runs: list[dict])
                 "min": min(rates) if rates else None, "max": max(rates) if rates else None,
                 "points": [{"repeat": p["repeat"], "time_scale": p["x"], "rate": k * p["load"],
                             "passed": p["passed"], "reasons": p["reasons"],
+                            "prefix_cache_hit_tokens": (p["summary"].get("server_counters") or {}).get(
+                                "inflight:prefix_cache_hits_total"),
                             "request_throughput": p["summary"].get("request_throughput"),
                             "ttft_p95": (p["summary"].get("ttft") or {}).get("p95"),
                             "itl_p95": (p["summary"].get("itl") or {}).get("p95")}
@@ -241,8 +252,9 @@ def markdown_tables(report: dict) -> str:
     lines = []
     if cap:
         cont = (cap.get("continuous") or {}).get("mean")
+        n = next(iter(cap.values()))["repeats"]
         lines += [f"Capacity under the SLO ({', '.join(f'{k}={v}' for k, v in report['slo'].items())}), "
-                  f"{next(iter(cap.values()))['repeats']} searches per policy:", "",
+                  f"{n} search{'es' if n != 1 else ''} per policy:", "",
                   "| policy | capacity (req/s), mean ± std | min – max (req/s) | time scale at the limit "
                   "(per search) | continuous / policy |", "|---|---|---|---|---|"]
         for pol, c in cap.items():
@@ -277,6 +289,7 @@ def _slo_seconds(text: str | None) -> float | None:
 def plot(report: dict, path: pathlib.Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
     fig = Figure(figsize=(12, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
     (a1, a2), (a3, a4) = fig.subplots(2, 2)
@@ -299,11 +312,15 @@ def plot(report: dict, path: pathlib.Path) -> None:
         if target:
             ax.axhline(target, color="black", ls="--", lw=1, label=f"SLO {target:g} s")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
         ax.set_xlabel("achieved throughput (req/s)")
         ax.set_ylabel(name)
         ax.set_title(f"{name} vs throughput (sweep over time scales)")
         ax.legend(loc="upper left")
     a3.set_xscale("log")
+    a3.xaxis.set_major_formatter(ScalarFormatter())
+    a3.xaxis.set_minor_formatter(ScalarFormatter())
     a3.set_xlabel("offered rate (req/s, log)")
     a3.set_ylabel("output tokens/s")
     a3.set_title("output throughput vs offered load")
@@ -316,8 +333,10 @@ def plot(report: dict, path: pathlib.Path) -> None:
     for i, p in enumerate(names):
         for v in cap[p]["rate_limits"]:
             a4.plot(i, v, "k.", ms=5)
-        a4.annotate(f"{cap[p]['mean']:.2f}", (i, cap[p]["max"]), textcoords="offset points", xytext=(0, 6),
+        a4.annotate(("" if cap[p]["bounded"] else ">=") + f"{cap[p]['mean']:.2f}", (i, cap[p]["max"]), textcoords="offset points", xytext=(0, 6),
                     ha="center")
+    if names:
+        a4.set_ylim(0, max(cap[p]["max"] for p in names) * 1.15)
     a4.set_ylabel("capacity (req/s) under the SLO")
     a4.set_title("capacity: mean, min–max and each search")
     w = report["workload"]
