@@ -25,8 +25,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-           "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-fopenmp",
-           "-shared", "-fPIC"]
+           "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -58,8 +57,7 @@ def _build() -> ctypes.CDLL | None:
     f = lib.paged_decode_attention
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                  ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_float,
-                                                                               ctypes.c_int]
+                  ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_float]
     return lib
 
 
@@ -103,5 +101,5 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     rc = lib.paged_decode_attention(
         int(q.dtype == torch.bfloat16), q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), b, h, h_kv, d, num_blocks, block_size,
-        tables.shape[1], scale, torch.get_num_threads())
+        tables.shape[1], scale)
     return out if rc == 0 else None

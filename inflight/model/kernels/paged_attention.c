@@ -10,6 +10,9 @@
  * Query heads h*G .. h*G+G-1 share KV head h (grouped-query attention), so each key and
  * value row is loaded once for its G queries. Softmax is exact (two passes over the keys:
  * scores, then the weighted sum of values), accumulated in float32.
+ *
+ * Single-threaded on purpose: PyTorch's own OpenMP pool spins between its kernels, and a
+ * second pool here fought it for the two cores (steps several times slower, erratically).
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,21 +89,17 @@ DEFINE_HEAD(head_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
                            const int64_t *tables, const int64_t *seq_lens, void *out,
                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
-                           int64_t BS, int64_t M, float scale, int num_threads) {
+                           int64_t BS, int64_t M, float scale) {
     if (D > MAX_D || H % Hkv || H / Hkv > MAX_G) return -1;
     int64_t G = H / Hkv, max_len = 0;
     for (int64_t b = 0; b < B; b++) if (seq_lens[b] > max_len) max_len = seq_lens[b];
     const int64_t head_elems = num_blocks * BS * D;      /* one KV head of K (or V) */
     const int64_t v_offset = Hkv * head_elems;
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads)
+    float *scores = malloc(sizeof(float) * (size_t)(G * (max_len > 0 ? max_len : 1)));
+    if (!scores) return -1;
     {
-        float *scores = malloc(sizeof(float) * (size_t)(G * (max_len > 0 ? max_len : 1)));
-        if (!scores) failed = 1;
-        #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < Hkv; h++) {
-                if (!scores) continue;
                 int64_t len = seq_lens[b];
                 int64_t qo = (b * H + h * G) * D;
                 if (is_bf16) {
@@ -116,7 +115,7 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
                 }
             }
         }
-        free(scores);
     }
-    return failed ? -1 : 0;
+    free(scores);
+    return 0;
 }
