@@ -64,7 +64,9 @@ class Sampler:
             One ``SampleResult`` per row, in row order.
         """
         raw = logits
-        logits = self._apply_penalties(logits.clone(), requests)
+        if any(_needs_penalties(r) for r in requests):
+            # Penalties edit logits in place; the raw ones stay intact for logprobs.
+            logits = self._apply_penalties(logits.clone(), requests)
         greedy = [r.sampling_params.is_greedy for r in requests]
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
@@ -139,6 +141,12 @@ class Sampler:
                 entry.setdefault(tid, val)
             result.append(entry)
         return result
+
+
+def _needs_penalties(r: Request) -> bool:
+    p = r.sampling_params
+    return (r.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
+            or bool(p.presence_penalty) or bool(p.frequency_penalty))
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -164,6 +164,9 @@ class Scheduler:
     def _shed(self, out: SchedulerOutput, now: float) -> None:
         """Reject waiting requests that can no longer be served in time (load shedding):
         those past ``max_queue_time`` and those the policy finds infeasible."""
+        if not self.waiting or (self.config.max_queue_time is None
+                                and self.config.scheduling_policy != "slo"):
+            return  # nothing can be shed: keep the per-step cost at zero
         fresh = [r for r in self.waiting if r.first_scheduled_time is None]
         limit = self.config.max_queue_time
         shed = [(r, f"waited {now - r.arrival_time:.2f} s, longer than max_queue_time "

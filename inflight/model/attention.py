@@ -102,7 +102,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Keys and values of ``block_ids`` (flat ``[n]``): ``[2, num_kv_heads, n * block_size, head_dim]``."""
-    _, h, _, block_size, d = kv_cache.shape
+    h, d = kv_cache.shape[1], kv_cache.shape[4]
     return kv_cache.index_select(2, block_ids).view(2, h, -1, d)
 
 
