@@ -43,8 +43,9 @@ def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
 def run_inflight(workload, dtype: str, args) -> float:
     from inflight import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              **({"num_threads": args.num_threads} if args.num_threads else {}))
     prompts = [p for p, _ in workload]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
@@ -58,20 +59,23 @@ def run_inflight(workload, dtype: str, args) -> float:
 
 
 def run_hf(workload, dtype: str, args, hf_model) -> float:
-    model = hf_model.to(getattr(torch, dtype))
+    dev = "cuda" if args.device == "cuda" else "cpu"
+    model = hf_model.to(device=dev, dtype=getattr(torch, dtype))
     pad = 0
     t0 = time.perf_counter()
     useful = 0
     for i in range(0, len(workload), args.hf_batch_size):
         batch = workload[i:i + args.hf_batch_size]
         width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=dev)
         longest = max(n for _, n in batch)
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=longest,
                            min_new_tokens=longest, do_sample=False, pad_token_id=pad)
         useful += sum(n for _, n in batch)
+    if dev == "cuda":
+        torch.cuda.synchronize()
     return useful / (time.perf_counter() - t0)
 
 
@@ -88,6 +92,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--num-threads", type=int, default=None, help="inflight's torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", type=Path, default=None, help="write the results as JSON")
     args = ap.parse_args()

@@ -105,7 +105,7 @@ def main() -> None:
             own = {k: matmul_gflops(batch, n, kk, dtype) for k, (kk, n) in shapes.items()}
             print(f"  model shapes at batch {batch:4d}: "
                   + ", ".join(f"{k} {v:.0f}" for k, v in own.items()) + " GFLOP/s")
-        bw_bound = bw * 1e9 / 2 / (matmul_params * elem)  # copy GB/s counts read + write
+        bw_bound = bw * 1e9 / (matmul_params * elem)  # bw: bytes moved (read + write) per s
         compute_bound = peak * 1e9 / (2 * matmul_params)
         print(f"  bounds: batch-1 bandwidth bound {bw_bound:.0f} tok/s "
               f"({matmul_params * elem / 1e6:.0f} MB of weights a step); "

@@ -51,6 +51,8 @@ class EngineConfig:
         priority_aging_s: ``priority`` policy: seconds of waiting worth one priority level.
         num_threads: torch intra-op threads on CPU (None: torch's default).
         seed: seed of the default generator for unseeded sampling.
+        step_breakdown: time each step's phases (``inflight.profiling``); the server logs
+            them with its stats line.
     """
 
     model: str | None = None
@@ -75,6 +77,7 @@ class EngineConfig:
     priority_aging_s: float = 10.0
     num_threads: int | None = None
     seed: int = 0
+    step_breakdown: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -143,6 +146,9 @@ class EngineConfig:
                        help="priority policy: seconds of waiting worth one priority level")
         g.add_argument("--num-threads", type=int, default=None)
         g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--step-breakdown", action="store_true",
+                       help="time scheduling, input preparation, forward (attention apart), "
+                            "sampling and output per step; logged with the stats line")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -17,6 +17,7 @@ from inflight.core.output import ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
+from inflight.profiling import StepTimer
 from inflight.sampler import SampleResult, Sampler
 
 logger = logging.getLogger(__name__)
@@ -61,11 +62,15 @@ class ModelRunner:
         shape = (2, c.num_key_value_heads, num_blocks, block_size, c.head_dim)
         self.kv_caches = [_zeros(shape, kv_cache_dtype, self.device)
                           for _ in range(c.num_hidden_layers)]
+        self.step_timer = StepTimer()  # the engine hands in its own
 
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         """Run one step; returns one sampled token per request that completed its tokens."""
         logits, requests = self.compute_logits(out)
-        return self.sampler.sample(logits, requests) if requests else []
+        if not requests:
+            return []
+        with self.step_timer.section("sample"):
+            return self.sampler.sample(logits, requests)
 
     def compute_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
         """Forward the step; logits ``[num_sampling_rows, vocab]`` float32 and their requests.
@@ -74,19 +79,23 @@ class ModelRunner:
         """
         decodes = [s for s in out.scheduled if s.is_decode]
         prefills = [s for s in out.scheduled if not s.is_decode]
-        input_ids, positions, meta = self._prepare(decodes, prefills)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows, requests = [], []
-        row = 0
-        for s in decodes + prefills:
-            row += s.num_scheduled_tokens
-            if s.samples:
-                rows.append(row - 1)
-                requests.append(s.request)
-        if not rows:
-            return None, []
-        index = torch.tensor(rows, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, index)), requests
+        timer = self.step_timer
+        with timer.section("prepare"):
+            input_ids, positions, meta = self._prepare(decodes, prefills)
+            meta.timer = timer
+            rows, requests = [], []
+            row = 0
+            for s in decodes + prefills:
+                row += s.num_scheduled_tokens
+                if s.samples:
+                    rows.append(row - 1)
+                    requests.append(s.request)
+            index = torch.tensor(rows, device=self.device) if rows else None
+        with timer.section("forward"):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if index is None:
+                return None, []
+            return self.model.compute_logits(hidden.index_select(0, index)), requests
 
     def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
         bs = self.block_size

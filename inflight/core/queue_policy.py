@@ -38,7 +38,10 @@ class FCFSPolicy:
     def step_budget(self, running: list[Request], budget: int) -> int:
         return budget
 
-    def infeasible(self, waiting: Iterable[Request], now: float) -> list[tuple[Request, str]]:
+    def infeasible(self, waiting: Iterable[Request], now: float, running: list[Request],
+                   token_budget: int) -> list[tuple[Request, str]]:
+        """Waiting requests to shed now, with the reason; ``running`` and ``token_budget``
+        (tokens per step) let a policy predict when each would get its first token."""
         return []
 
 
@@ -99,19 +102,36 @@ class SLOPolicy(FCFSPolicy):
         # Decodes always get their token, and one prefill token keeps admission moving.
         return min(budget, max(fits, len(decoding) + 1))
 
-    def infeasible(self, waiting: Iterable[Request], now: float) -> list[tuple[Request, str]]:
+    def infeasible(self, waiting: Iterable[Request], now: float, running: list[Request],
+                   token_budget: int) -> list[tuple[Request, str]]:
+        """Requests whose TTFT deadline is out of reach even at full prefill speed.
+
+        In deadline order, a request's first token cannot come before every request ahead
+        of it (preempted work first, then earlier deadlines) and its own prompt are
+        prefilled. Each step gives prefill the ITL-capped budget less one token per running
+        request, and takes the step model's time for that many tokens. Free KV blocks and
+        ``max_num_seqs`` slots are assumed, so the estimate is optimistic: what it sheds is
+        late for certain (under the step model), and it sheds at arrival rather than once
+        the deadline has passed, so the client can retry elsewhere at once.
+        """
         if not self.step_model.ready:
             return []
-        shed = []
-        for req in waiting:
+        budget = self.step_budget(running, token_budget)
+        per_step = max(budget - len(running), 1)
+        shed, ahead = [], 0
+        for req in self.waiting_order(waiting, now):
+            need = req.num_tokens - req.num_computed_tokens
             deadline = self.deadline(req)
-            if math.isinf(deadline):
-                continue
-            finish = now + self.step_model.predict(req.num_tokens)
-            if finish > deadline:
-                shed.append((req, f"TTFT deadline missed: would reach its first token "
-                                  f"{finish - req.arrival_time:.2f} s after arrival, target "
-                                  f"{deadline - req.arrival_time:.2f} s"))
+            if math.isfinite(deadline):
+                total = ahead + need
+                steps = -(-total // per_step)
+                finish = now + steps * self.step_model.predict(min(budget, len(running) + total))
+                if finish > deadline:
+                    shed.append((req, f"TTFT deadline missed: would reach its first token "
+                                      f"{finish - req.arrival_time:.2f} s after arrival at the "
+                                      f"earliest, target {deadline - req.arrival_time:.2f} s"))
+                    continue
+            ahead += need
         return shed
 
 

@@ -167,12 +167,15 @@ class Scheduler:
         if not self.waiting or (self.config.max_queue_time is None
                                 and self.config.scheduling_policy != "slo"):
             return  # nothing can be shed: keep the per-step cost at zero
-        fresh = [r for r in self.waiting if r.first_scheduled_time is None]
         limit = self.config.max_queue_time
-        shed = [(r, f"waited {now - r.arrival_time:.2f} s, longer than max_queue_time "
-                    f"{limit:g} s") for r in fresh if limit is not None and now - r.arrival_time > limit]
+        shed = [(r, f"waited {now - r.arrival_time:.2f} s, longer than max_queue_time {limit:g} s")
+                for r in self.waiting if limit is not None and r.first_scheduled_time is None
+                and now - r.arrival_time > limit]
         seen = {r.request_id for r, _ in shed}
-        shed += [(r, why) for r, why in self.policy.infeasible(fresh, now) if r.request_id not in seen]
+        rest = [r for r in self.waiting if r.request_id not in seen]
+        shed += [(r, why) for r, why in self.policy.infeasible(
+            rest, now, self.running, self.config.max_num_batched_tokens)
+            if r.first_scheduled_time is None]
         for req, why in shed:
             req.shed_reason = why
             self.finish_request(req, RequestStatus.FINISHED_ABORTED)

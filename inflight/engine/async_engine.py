@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from inflight.engine.engine import Engine, EngineStats
 from inflight.outputs import CompletionOutput, RequestOutput
+from inflight.profiling import StepTimer
 from inflight.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class AsyncEngine:
         self.max_num_waiting = max_num_waiting
         self.listeners: list[StepListener] = list(listeners)
         if log_interval_s > 0:
-            self.listeners.append(StatsLogger(log_interval_s))
+            self.listeners.append(StatsLogger(log_interval_s, getattr(engine, "step_timer", None)))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _num_pending and _streams
@@ -440,8 +441,9 @@ class StatsLogger:
     Silent while idle: no step, no line.
     """
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, step_timer: StepTimer | None = None) -> None:
         self.interval_s = interval_s
+        self.step_timer = step_timer
         self._last: EngineStats | None = None
         self._last_time = 0.0
         self._last_step_time = float("-inf")
@@ -467,4 +469,7 @@ class StatsLogger:
             (stats.generation_tokens - last.generation_tokens) / dt,
             stats.num_preemptions, stats.num_preemptions - last.num_preemptions,
             100 * _hit_rate(stats, last))
+        if self.step_timer is not None and self.step_timer.enabled:
+            logger.info("step breakdown: %s", StepTimer.format(self.step_timer.summary()))
+            self.step_timer.records.clear()
         self._last, self._last_time = stats, now

@@ -17,6 +17,7 @@ from inflight.config import EngineConfig
 from inflight.core.kv_cache import KVCacheManager
 from inflight.core.scheduler import Scheduler
 from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inflight.profiling import StepTimer
 from inflight.request import Request, RequestStatus
 from inflight.sampler import SampleResult
 from inflight.sampling_params import SamplingParams
@@ -113,6 +114,9 @@ class Engine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
+        self.step_timer = StepTimer(config.step_breakdown, getattr(runner, "device", None))
+        if hasattr(runner, "step_timer"):
+            runner.step_timer = self.step_timer
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "Engine":
@@ -271,7 +275,10 @@ class Engine:
         Returns:
             Outputs of requests that progressed (streamed ones) or finished this step.
         """
-        out = self.scheduler.schedule()
+        timer = self.step_timer
+        timer.begin_step()
+        with timer.section("schedule"):
+            out = self.scheduler.schedule()
         for req in out.shed:
             self._on_shed(req)
         if not out.is_empty:
@@ -290,13 +297,17 @@ class Engine:
             else:
                 self.scheduler.step_model.observe(out.num_batched_tokens, time.perf_counter() - t0)
                 now = time.monotonic()
-                for res in results:
-                    try:
-                        self._process_sample(res, now)
-                    except Exception as e:  # fail only the request whose output broke
-                        logger.exception("output of %s failed", res.request.request_id)
-                        self._fail([res.request], f"{type(e).__name__}: {e}")
-        return self._collect_outputs()
+                with timer.section("output"):
+                    for res in results:
+                        try:
+                            self._process_sample(res, now)
+                        except Exception as e:  # fail only the request whose output broke
+                            logger.exception("output of %s failed", res.request.request_id)
+                            self._fail([res.request], f"{type(e).__name__}: {e}")
+        with timer.section("output"):
+            outputs = self._collect_outputs()
+        timer.end_step(len(out.scheduled), out.num_batched_tokens)
+        return outputs
 
     def _process_sample(self, res: SampleResult, now: float) -> None:
         req = res.request

@@ -66,8 +66,10 @@ def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.devic
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, kv_dtype: torch.dtype,
                   device: torch.device) -> int:
     """KV pool size in blocks: ``num_kv_blocks``, else ``kv_cache_memory_bytes``, else a
-    share of free memory (``gpu_memory_utilization`` of free device memory on CUDA;
-    ``DEFAULT_KV_CACHE_MEMORY_FRACTION`` of available RAM, at most 4 GiB, on CPU).
+    share of memory: on CUDA, vLLM's ``gpu_memory_utilization`` (this instance may use that
+    share of the device's total memory; what is already in use, the weights included, and
+    an estimate of the step's peak activations come off it); on CPU,
+    ``DEFAULT_KV_CACHE_MEMORY_FRACTION`` of available RAM, at most 4 GiB.
 
     Raises:
         ValueError: the budget does not hold a single block.
@@ -78,16 +80,46 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, kv_dtype: tor
     budget = config.kv_cache_memory_bytes
     if budget is None:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * config.gpu_memory_utilization)
+            free, total = torch.cuda.mem_get_info(device)
+            budget = cuda_kv_budget(free, total, config.gpu_memory_utilization,
+                                    activation_bytes(model_config, config))
         else:
             budget = min(int(_available_ram() * DEFAULT_KV_CACHE_MEMORY_FRACTION),
                          DEFAULT_KV_CACHE_MEMORY_CAP)
-    blocks = budget // per_block
+    blocks = max(budget, 0) // per_block
     if blocks < 1:
+        if config.kv_cache_memory_bytes is None and device.type == "cuda":
+            raise ValueError(f"gpu_memory_utilization: {config.gpu_memory_utilization} of the "
+                             f"device leaves {budget} bytes for the KV cache after weights and "
+                             f"activations, less than one block ({per_block} bytes); raise it "
+                             f"or lower max_num_batched_tokens")
         raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
                          f"({per_block} bytes each)")
     return blocks
+
+
+def cuda_kv_budget(free: int, total: int, utilization: float, activations: int) -> int:
+    """Bytes for the KV cache on a CUDA device: ``total * utilization`` less what is in
+    use already (``total - free``: this process's weights and context, other processes)
+    and the step's ``activations``. May be <= 0 (the share is used up)."""
+    return int(total * utilization) - (total - free) - activations
+
+
+def activation_bytes(model_config: ModelConfig, config: EngineConfig) -> int:
+    """Upper estimate of one step's peak activation memory (bytes), for KV sizing on CUDA.
+
+    Per token of the step's budget: the residual stream and its norm, fused QKV, attention
+    output and the MLP's gate/up and product, at 4 bytes (float32 upper bound); one layer's
+    attention scores if the math path materializes them (``heads x tokens x max_model_len``);
+    the sampled rows' float32 logits three times (logits, penalties' copy, softmax). Doubled
+    for allocator fragmentation. An estimate, not a profile run as vLLM does.
+    """
+    c, t = model_config, config.max_num_batched_tokens
+    per_token = 3 * c.hidden_size + c.q_size + 2 * c.kv_size + c.q_size + 3 * c.intermediate_size
+    ctx = config.max_model_len or c.max_position_embeddings
+    scores = c.num_attention_heads * t * ctx
+    logits = 3 * config.max_num_seqs * c.vocab_size
+    return 2 * 4 * (t * per_token + scores + logits)
 
 
 def _available_ram() -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.model.kernels import paged_decode_attention
+from inflight.profiling import StepTimer
 
 
 @dataclass
@@ -54,6 +55,7 @@ class AttentionMetadata:
         decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0.
         decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
         prefills: the prefill chunks, in row order after the decodes.
+        timer: the step's timer (``attention`` phase); a disabled one by default.
     """
 
     slot_mapping: torch.Tensor
@@ -61,6 +63,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    timer: StepTimer = field(default_factory=StepTimer)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -124,8 +124,10 @@ class Attention(nn.Module):
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+        with meta.timer.section("attention"):
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):

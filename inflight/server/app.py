@@ -137,9 +137,9 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _collect_or_abort(request: Request, gen: Generation):
-    """The final outputs, or None when the client left first (its requests are aborted)."""
-    work = asyncio.ensure_future(gen.collect())
+async def _unless_disconnect(request: Request, gen: Generation, coro):
+    """``await coro``, or None when the client left first (its requests are aborted)."""
+    work = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -154,12 +154,26 @@ async def _collect_or_abort(request: Request, gen: Generation):
 
 async def _respond(request: Request, gen: Generation, body, stream_fn, response_fn):
     gen.start()
+    gone = Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     if body.stream:
+        # Headers wait for the first token, so a request shed or refused before it gets a
+        # 503/4xx status, not a 200 stream carrying an error event.
+        try:
+            if await _unless_disconnect(request, gen, _primed(gen)) is None:
+                return gone
+        except BaseException:
+            gen.abort()
+            raise
         return _SSEResponse(stream_fn(gen, body), gen)
-    finals = await _collect_or_abort(request, gen)
+    finals = await _unless_disconnect(request, gen, gen.collect())
     if finals is None:
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return gone
     return JSONResponse(response_fn(gen, body, finals))
+
+
+async def _primed(gen: Generation) -> bool:
+    await gen.first_delta()
+    return True
 
 
 def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:

@@ -144,6 +144,8 @@ class Generation:
         self.created = int(time.time())
         self.n = params[0].n
         self.streams: list[RequestStream] = []
+        self._deltas: AsyncIterator[tuple[int, RequestOutput]] | None = None
+        self._first: tuple[int, RequestOutput] | None = None
 
     def start(self) -> None:
         """Queue every prompt; on overload nothing stays queued (503 + ``Retry-After``)."""
@@ -170,12 +172,38 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    async def first_delta(self) -> None:
+        """Wait for the first delta and keep it for ``deltas()``.
+
+        A stream commits to HTTP 200 with its first byte; waiting for the first delta
+        first lets a request the engine sheds or refuses before its first token get a
+        real status (503 + ``Retry-After``, 400, 500) instead of an error event.
+
+        Raises:
+            OpenAIError: as ``deltas()``.
+        """
+        self._deltas = self._produce()
+        try:
+            self._first = await self._deltas.__anext__()
+        except StopAsyncIteration:
+            self._first = None
+
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(prompt_index, delta)`` as they come, all prompts interleaved.
 
         Raises ``OpenAIError`` when the engine refuses or fails a request (the others
         are aborted); leaving early aborts them all.
         """
+        if self._deltas is None:
+            async for item in self._produce():
+                yield item
+            return
+        if self._first is not None:
+            yield self._first
+        async for item in self._deltas:
+            yield item
+
+    async def _produce(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
             if len(self.streams) == 1:
                 async for out in self.streams[0]:

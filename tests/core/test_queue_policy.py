@@ -106,6 +106,22 @@ def test_slo_sheds_what_cannot_meet_its_ttft_target():
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 3
 
 
+def test_slo_shedding_counts_the_prefill_queued_ahead():
+    # Each 300-token prompt fits the 1.5 s target alone (0.31 s), but in deadline order the
+    # 4th and 5th would wait for 900 tokens ahead: 512-token steps of 0.522 s each.
+    sched = Scheduler(EngineConfig(scheduling_policy="slo", ttft_slo=1.5, max_num_batched_tokens=512),
+                      KVCacheManager(1024, 4))
+    sched.step_model.__dict__.update(_ready_model(a=0.01, b=0.001).__dict__)
+    for i in range(5):
+        sched.add_request(Request(f"r{i}", [3 + i] * 300, P, arrival_time=1.0 + i * 1e-3))
+    out = sched.schedule(now=1.0 + 5e-3)
+    assert [r.request_id for r in out.shed] == ["r3", "r4"]
+    assert all("TTFT deadline" in r.shed_reason for r in out.shed)
+    assert [(s.request.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [
+        ("r0", 300), ("r1", 212)]
+    assert (sched.num_running, sched.num_waiting) == (2, 1)  # r1 mid-prefill, r2 queued
+
+
 def test_max_queue_time_sheds_requests_that_waited_too_long():
     engine = make_engine(FakeRunner(), max_num_seqs=1, max_queue_time=5.0)
     engine.add_request("runs", [3] * 4, SamplingParams(max_tokens=50, ignore_eos=True))

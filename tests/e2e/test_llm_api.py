@@ -101,3 +101,14 @@ def test_n_completions_with_a_seed_differ_and_repeat(make_engine, bundled):
     texts = [c.token_ids for c in a.outputs]
     assert len(texts) == 3 and len({tuple(t) for t in texts}) > 1
     assert texts == [c.token_ids for c in b.outputs]
+
+
+def test_step_breakdown_times_every_phase_on_the_real_model(make_engine):
+    engine = make_engine(step_breakdown=True)
+    run(engine, [[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(temperature=0, max_tokens=4,
+                                                             ignore_eos=True))
+    recs = list(engine.step_timer.records)
+    assert [(r.num_seqs, r.num_tokens) for r in recs] == [(2, 8), (2, 2), (2, 2), (2, 2)]
+    for r in recs:
+        assert set(r.seconds) == {"schedule", "prepare", "forward", "attention", "sample", "output"}
+        assert 0 < r.seconds["attention"] < r.seconds["forward"] < r.total

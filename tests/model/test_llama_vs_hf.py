@@ -65,11 +65,11 @@ def tiny_model(request, tmp_path_factory):
     return hf, path
 
 
-def _run_engine(path, dtype, prompts, max_tokens, **cfg):
+def _run_engine(path, dtype, prompts, max_tokens, device="cpu", **cfg):
     model_config, state = load_model(path)
-    model = LlamaForCausalLM(model_config, dtype=dtype)
+    model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
     model.load_weights(state)
-    runner = RecordingRunner(model, cfg.pop("num_blocks", 64), 4, dtype, Sampler())
+    runner = RecordingRunner(model, cfg.pop("num_blocks", 64), 4, dtype, Sampler(device=device))
     engine = Engine(EngineConfig(block_size=4, **cfg), runner=runner,
                     num_blocks=runner.num_blocks, max_model_len=256)
     for i, p in enumerate(prompts):

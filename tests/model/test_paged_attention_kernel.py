@@ -35,3 +35,29 @@ def test_unsupported_inputs_fall_back():
     cache = torch.randn(2, 4, 8, 4, 32, dtype=torch.bfloat16)   # dtype mismatch
     tables = torch.zeros(2, 1, dtype=torch.long)
     assert paged_decode_attention(q, cache, tables, torch.tensor([1, 1]), 1.0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_rows_split_across_threads_give_identical_output(dtype, threads, monkeypatch):
+    import inflight.model.kernels as kernels
+    g = torch.Generator().manual_seed(threads)
+    lens = torch.tensor([40, 1, 17, 33, 2, 64, 5, 16, 31])
+    batch, width, bs = lens.shape[0], 4, 16
+    cache = torch.randn(2, 3, batch * width, bs, 64, generator=g).to(dtype)
+    tables = torch.randperm(batch * width, generator=g).view(batch, width)
+    q = torch.randn(batch, 9, 64, generator=g).to(dtype)
+    whole = paged_decode_attention(q, cache, tables, lens, 0.125)
+    monkeypatch.setattr(kernels, "MIN_KEYS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert len(kernels._split_rows(lens, threads)) == threads
+    split = paged_decode_attention(q, cache, tables, lens, 0.125)
+    assert torch.equal(split, whole)  # rows are independent: bit-identical
+
+
+def test_split_rows_balances_keys():
+    from inflight.model.kernels import _split_rows
+    assert _split_rows(torch.tensor([100] * 64), 2) == [(0, 32), (32, 64)]
+    assert _split_rows(torch.tensor([3000, 10, 10, 10, 3000, 5]), 2) == [(0, 3), (3, 6)]
+    assert _split_rows(torch.tensor([100] * 32), 2) == [(0, 32)]  # 3,200 keys: not worth it
+    assert _split_rows(torch.tensor([9000]), 4) == [(0, 1)]

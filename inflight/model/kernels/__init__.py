@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -98,8 +99,53 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     out = torch.empty_like(q)
     b, h, d = q.shape
     _, h_kv, num_blocks, block_size, _ = kv_cache.shape
-    rc = lib.paged_decode_attention(
-        int(q.dtype == torch.bfloat16), q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(),
-        lens.data_ptr(), out.data_ptr(), b, h, h_kv, d, num_blocks, block_size,
-        tables.shape[1], scale)
+    width, elem = tables.shape[1], q.element_size()
+    is_bf16 = int(q.dtype == torch.bfloat16)
+
+    def run(lo: int, hi: int) -> int:  # rows [lo, hi); ctypes drops the GIL for the call
+        return lib.paged_decode_attention(
+            is_bf16, q.data_ptr() + lo * h * d * elem, kv_cache.data_ptr(),
+            tables.data_ptr() + lo * width * 8, lens.data_ptr() + lo * 8,
+            out.data_ptr() + lo * h * d * elem, hi - lo, h, h_kv, d, num_blocks, block_size,
+            width, scale)
+
+    parts = _split_rows(lens, torch.get_num_threads())
+    if len(parts) == 1:
+        rc = run(0, b)
+    else:
+        # The rows are independent: the other threads take a share of the keys each, and
+        # this thread the first. Python threads, not an OpenMP pool of the kernel's own:
+        # that one spun against PyTorch's for the same cores.
+        futures = [_executor().submit(run, lo, hi) for lo, hi in parts[1:]]
+        rc = run(*parts[0])
+        rc = min([rc] + [f.result() for f in futures])
     return out if rc == 0 else None
+
+
+# Below this many keys a step's attention is too short to split: handing rows to another
+# thread costs tens of microseconds per layer.
+MIN_KEYS_PER_THREAD = 2048
+_pool: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, 1),
+                                   thread_name_prefix="inflight-attn")
+    return _pool
+
+
+def _split_rows(seq_lens: torch.Tensor, num_threads: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges with about equal keys each (the kernel's work is linear in
+    them); one range when the work is too small to share."""
+    b = seq_lens.shape[0]
+    total = int(seq_lens.sum())
+    n = min(num_threads, b, total // MIN_KEYS_PER_THREAD)
+    if n <= 1:
+        return [(0, b)]
+    cum = seq_lens.cumsum(0)
+    cuts = torch.searchsorted(cum, torch.arange(1, n, dtype=cum.dtype) * total / n).tolist()
+    # Each cut follows the row whose keys cross the next multiple of total / n.
+    bounds = [0] + [min(c + 1, b) for c in cuts] + [b]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]

@@ -11,8 +11,9 @@
  * value row is loaded once for its G queries. Softmax is exact (two passes over the keys:
  * scores, then the weighted sum of values), accumulated in float32.
  *
- * Single-threaded on purpose: PyTorch's own OpenMP pool spins between its kernels, and a
- * second pool here fought it for the two cores (steps several times slower, erratically).
+ * No OpenMP here on purpose: PyTorch's own pool spins between its kernels, and a second
+ * pool here fought it for the two cores (steps several times slower, erratically). The
+ * caller splits the rows (B) across plain threads instead; each call handles its rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,56 +35,102 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)(u >> 16);
 }
 
+/* exp(x) for the softmax (x = score - max <= 0), in plain float arithmetic the compiler
+ * vectorizes: a scalar libm expf call per score cost more than the dot products. Cody-Waite
+ * range reduction and Cephes' expf polynomial (Moshier, "Methods and Programs for
+ * Mathematical Functions", 1989): within 2 ulp of expf for x in [-87, 0]; below -87
+ * (weights under 1e-38 beside the max's 1) it returns exp(-87). */
+static inline float softmax_exp(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = p * r * r + r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return e * two_n;
+}
+
 #define MAX_D 256
 #define MAX_G 16
 
-/* One (sequence, kv head): G query rows against seq_len keys. */
-#define DEFINE_HEAD(NAME, T, LOAD, STORE)                                                  \
+/* One (sequence, kv head): G query rows against seq_len keys. DD is the head size: the
+ * runtime D, or a constant (64, 128) so the compiler unrolls the dot products fully.
+ * Keys are walked block by block, so no division per key finds its slot. */
+#define DEFINE_HEAD(NAME, T, LOAD, STORE, DD)                                              \
 static void NAME(const T *q, const T *k_base, const T *v_base, const int64_t *table,      \
                  int64_t len, int64_t G, int64_t D, int64_t BS, float scale,                \
                  float *scores, T *out) {                                                  \
-    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D];                                             \
-    for (int64_t g = 0; g < G; g++)                                                        \
-        for (int64_t d = 0; d < D; d++) { qf[g][d] = LOAD(q[g * D + d]) * scale; acc[g][d] = 0.f; } \
-    float mx[MAX_G];                                                                       \
-    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;                                     \
-    for (int64_t t = 0; t < len; t++) {                                                    \
-        const T *k = k_base + (table[t / BS] * BS + t % BS) * D;                           \
-        float kf[MAX_D];                                                                   \
-        for (int64_t d = 0; d < D; d++) kf[d] = LOAD(k[d]);                                \
-        for (int64_t g = 0; g < G; g++) {                                                  \
-            float s = 0.f;                                                                 \
-            for (int64_t d = 0; d < D; d++) s += qf[g][d] * kf[d];                         \
-            scores[g * len + t] = s;                                                       \
-            if (s > mx[g]) mx[g] = s;                                                      \
+    (void)D;                                                                               \
+    float qf[MAX_G][MAX_D] __attribute__((aligned(64)));                                   \
+    float acc[MAX_G][MAX_D] __attribute__((aligned(64)));                                  \
+    float kf[MAX_D] __attribute__((aligned(64)));                                          \
+    float mx[MAX_G], denom[MAX_G];                                                         \
+    for (int64_t g = 0; g < G; g++) {                                                      \
+        for (int64_t d = 0; d < DD; d++) {                                                 \
+            qf[g][d] = LOAD(q[g * DD + d]) * scale;                                        \
+            acc[g][d] = 0.f;                                                               \
+        }                                                                                  \
+        mx[g] = -INFINITY;                                                                 \
+    }                                                                                      \
+    const int64_t num_blocks = (len + BS - 1) / BS;                                        \
+    for (int64_t j = 0; j < num_blocks; j++) {                                             \
+        const T *kb = k_base + table[j] * BS * DD;                                         \
+        const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
+        for (int64_t o = 0; o < n; o++) {                                                  \
+            const T *k = kb + o * DD;                                                      \
+            for (int64_t d = 0; d < DD; d++) kf[d] = LOAD(k[d]);                           \
+            for (int64_t g = 0; g < G; g++) {                                              \
+                float s = 0.f;                                                             \
+                for (int64_t d = 0; d < DD; d++) s += qf[g][d] * kf[d];                    \
+                scores[g * len + j * BS + o] = s;                                          \
+                mx[g] = s > mx[g] ? s : mx[g];                                             \
+            }                                                                              \
         }                                                                                  \
     }                                                                                      \
-    float denom[MAX_G];                                                                    \
     for (int64_t g = 0; g < G; g++) {                                                      \
-        float sum = 0.f;                                                                   \
+        float sum = 0.f, *sg = scores + g * len;                                           \
         for (int64_t t = 0; t < len; t++) {                                                \
-            float e = expf(scores[g * len + t] - mx[g]);                                   \
-            scores[g * len + t] = e;                                                       \
-            sum += e;                                                                      \
+            sg[t] = softmax_exp(sg[t] - mx[g]);                                            \
+            sum += sg[t];                                                                  \
         }                                                                                  \
         denom[g] = 1.f / sum;                                                              \
     }                                                                                      \
-    for (int64_t t = 0; t < len; t++) {                                                    \
-        const T *v = v_base + (table[t / BS] * BS + t % BS) * D;                           \
-        float vf[MAX_D];                                                                   \
-        for (int64_t d = 0; d < D; d++) vf[d] = LOAD(v[d]);                                \
-        for (int64_t g = 0; g < G; g++) {                                                  \
-            float p = scores[g * len + t];                                                 \
-            for (int64_t d = 0; d < D; d++) acc[g][d] += p * vf[d];                        \
+    for (int64_t j = 0; j < num_blocks; j++) {                                             \
+        const T *vb = v_base + table[j] * BS * DD;                                         \
+        const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
+        for (int64_t o = 0; o < n; o++) {                                                  \
+            const T *v = vb + o * DD;                                                      \
+            for (int64_t d = 0; d < DD; d++) kf[d] = LOAD(v[d]);                           \
+            for (int64_t g = 0; g < G; g++) {                                              \
+                const float p = scores[g * len + j * BS + o];                              \
+                for (int64_t d = 0; d < DD; d++) acc[g][d] += p * kf[d];                   \
+            }                                                                              \
         }                                                                                  \
     }                                                                                      \
     for (int64_t g = 0; g < G; g++)                                                        \
-        for (int64_t d = 0; d < D; d++) out[g * D + d] = STORE(acc[g][d] * denom[g]);      \
+        for (int64_t d = 0; d < DD; d++) out[g * DD + d] = STORE(acc[g][d] * denom[g]);    \
 }
 
 #define ID(x) (x)
-DEFINE_HEAD(head_f32, float, ID, ID)
-DEFINE_HEAD(head_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_HEAD(head_f32, float, ID, ID, D)
+DEFINE_HEAD(head_bf16, uint16_t, bf16_to_f32, f32_to_bf16, D)
+DEFINE_HEAD(head_f32_64, float, ID, ID, 64)
+DEFINE_HEAD(head_bf16_64, uint16_t, bf16_to_f32, f32_to_bf16, 64)
+DEFINE_HEAD(head_f32_128, float, ID, ID, 128)
+DEFINE_HEAD(head_bf16_128, uint16_t, bf16_to_f32, f32_to_bf16, 128)
+
+typedef void (*head_f32_fn)(const float *, const float *, const float *, const int64_t *,
+                            int64_t, int64_t, int64_t, int64_t, float, float *, float *);
+typedef void (*head_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *,
+                             const int64_t *, int64_t, int64_t, int64_t, int64_t, float,
+                             float *, uint16_t *);
 
 /* Returns 0 on success, -1 on unsupported shapes (the caller falls back to PyTorch). */
 int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
@@ -97,6 +144,8 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
     const int64_t v_offset = Hkv * head_elems;
     float *scores = malloc(sizeof(float) * (size_t)(G * (max_len > 0 ? max_len : 1)));
     if (!scores) return -1;
+    head_f32_fn hf32 = D == 64 ? head_f32_64 : D == 128 ? head_f32_128 : head_f32;
+    head_bf16_fn hbf16 = D == 64 ? head_bf16_64 : D == 128 ? head_bf16_128 : head_bf16;
     {
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < Hkv; h++) {
@@ -104,12 +153,12 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
                 int64_t qo = (b * H + h * G) * D;
                 if (is_bf16) {
                     const uint16_t *kv = kv_cache;
-                    head_bf16((const uint16_t *)q + qo, kv + h * head_elems,
+                    hbf16((const uint16_t *)q + qo, kv + h * head_elems,
                               kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS,
                               scale, scores, (uint16_t *)out + qo);
                 } else {
                     const float *kv = kv_cache;
-                    head_f32((const float *)q + qo, kv + h * head_elems,
+                    hf32((const float *)q + qo, kv + h * head_elems,
                              kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS,
                              scale, scores, (float *)out + qo);
                 }
