@@ -57,6 +57,14 @@ static inline float softmax_exp(float x) {
     return e * two_n;
 }
 
+/* Blocks sit anywhere in the pool: while one block's rows are used, fetch the next block's
+ * same row, so the jump to a new page does not stall on DRAM latency. */
+#define PREFETCH_ROW(ptr, nbytes)                                                          \
+    do {                                                                                   \
+        const char *p_ = (const char *)(ptr);                                              \
+        for (size_t b_ = 0; b_ < (size_t)(nbytes); b_ += 64) __builtin_prefetch(p_ + b_);  \
+    } while (0)
+
 #define MAX_D 256
 #define MAX_G 16
 
@@ -82,9 +90,11 @@ static void NAME(const T *q, const T *k_base, const T *v_base, const int64_t *ta
     const int64_t num_blocks = (len + BS - 1) / BS;                                        \
     for (int64_t j = 0; j < num_blocks; j++) {                                             \
         const T *kb = k_base + table[j] * BS * DD;                                         \
+        const T *kn = k_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * DD;            \
         const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
         for (int64_t o = 0; o < n; o++) {                                                  \
             const T *k = kb + o * DD;                                                      \
+            PREFETCH_ROW(kn + o * DD, DD * sizeof(T));                                     \
             for (int64_t d = 0; d < DD; d++) kf[d] = LOAD(k[d]);                           \
             for (int64_t g = 0; g < G; g++) {                                              \
                 float s = 0.f;                                                             \
@@ -104,9 +114,11 @@ static void NAME(const T *q, const T *k_base, const T *v_base, const int64_t *ta
     }                                                                                      \
     for (int64_t j = 0; j < num_blocks; j++) {                                             \
         const T *vb = v_base + table[j] * BS * DD;                                         \
+        const T *vn = v_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * DD;            \
         const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
         for (int64_t o = 0; o < n; o++) {                                                  \
             const T *v = vb + o * DD;                                                      \
+            PREFETCH_ROW(vn + o * DD, DD * sizeof(T));                                     \
             for (int64_t d = 0; d < DD; d++) kf[d] = LOAD(v[d]);                           \
             for (int64_t g = 0; g < G; g++) {                                              \
                 const float p = scores[g * len + j * BS + o];                              \
