@@ -37,6 +37,8 @@ def run_batch(engine: Engine, n: int, prompt_len: int, output_len: int, tag: str
         engine.step()
     decode = [r for r in engine.step_timer.records if r.num_seqs == n and r.num_tokens == n]
     s = engine.step_timer.summary(decode)
+    if not s:
+        raise RuntimeError(f"no pure decode step with {n} sequences (max_num_seqs too small?)")
     s["cpu_side_ms"] = s["total_ms"] - s["forward_ms"]
     s["cpu_side_share"] = s["cpu_side_ms"] / s["total_ms"]
     return s
@@ -55,7 +57,7 @@ def main() -> None:
     blocks = max(sizes) * (-(-(args.prompt_len + args.output_len) // 16)) + 16
     engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=max(sizes), num_kv_blocks=blocks,
                                  num_threads=args.num_threads, step_breakdown=True))
-    run_batch(engine, 4, 16, 4, "warmup")
+    run_batch(engine, min(4, max(sizes)), 16, 4, "warmup")
     print(f"dtype {args.dtype}, threads {torch.get_num_threads()}, load average "
           f"{os.getloadavg()[0]:.2f}")
     rows = {}

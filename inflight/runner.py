@@ -16,6 +16,7 @@ import torch
 from inflight.core.output import ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.config import ModelConfig
+from inflight.model.kernels import attention_threads, split_rows
 from inflight.model.llama import LlamaForCausalLM
 from inflight.profiling import StepTimer
 from inflight.sampler import SampleResult, Sampler
@@ -116,8 +117,10 @@ class ModelRunner:
             width = max(len(s.block_table) for s in decodes)
             tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-            meta.decode_seq_lens = torch.tensor(
-                [s.num_computed_tokens + 1 for s in decodes], dtype=torch.long, device=dev)
+            lens = [s.num_computed_tokens + 1 for s in decodes]
+            meta.decode_seq_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+            if dev.type == "cpu":  # once a step, not once a layer
+                meta.decode_row_splits = split_rows(lens, attention_threads())
         row = len(decodes)
         for s in prefills:
             n = s.num_scheduled_tokens

@@ -49,15 +49,15 @@ def test_rows_split_across_threads_give_identical_output(dtype, threads, monkeyp
     q = torch.randn(batch, 9, 64, generator=g).to(dtype)
     whole = paged_decode_attention(q, cache, tables, lens, 0.125)
     monkeypatch.setattr(kernels, "MIN_KEYS_PER_THREAD", 1)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert len(kernels._split_rows(lens, threads)) == threads
+    monkeypatch.setenv("INFLIGHT_ATTENTION_THREADS", str(threads))
+    assert len(kernels.split_rows(lens.tolist(), threads)) == threads
     split = paged_decode_attention(q, cache, tables, lens, 0.125)
     assert torch.equal(split, whole)  # rows are independent: bit-identical
 
 
 def test_split_rows_balances_keys():
-    from inflight.model.kernels import _split_rows
-    assert _split_rows(torch.tensor([100] * 64), 2) == [(0, 32), (32, 64)]
-    assert _split_rows(torch.tensor([3000, 10, 10, 10, 3000, 5]), 2) == [(0, 3), (3, 6)]
-    assert _split_rows(torch.tensor([100] * 32), 2) == [(0, 32)]  # 3,200 keys: not worth it
-    assert _split_rows(torch.tensor([9000]), 4) == [(0, 1)]
+    from inflight.model.kernels import split_rows
+    assert split_rows([100] * 64, 2) == [(0, 32), (32, 64)]
+    assert split_rows([3000, 10, 10, 10, 3000, 5], 2) == [(0, 3), (3, 6)]
+    assert split_rows([100] * 32, 2) == [(0, 32)]  # 3,200 keys: not worth it
+    assert split_rows([9000], 4) == [(0, 1)]

@@ -24,6 +24,7 @@ from inflight.sampling_params import SamplingParams
 from tests.server.conftest import ServerThread, get_json, wait_until
 
 POISON = 13
+POISON_LATER = 14  # fails the step once the request has streamed a token
 
 
 class SlowRunner:
@@ -40,6 +41,9 @@ class SlowRunner:
         time.sleep(self.delay)
         if any(POISON in s.request.prompt_token_ids for s in out.scheduled):
             raise RuntimeError("poisoned prompt")
+        if any(POISON_LATER in s.request.prompt_token_ids and s.request.num_output_tokens
+               for s in out.scheduled):
+            raise RuntimeError("poisoned decode")
         return [SampleResult(s.request, self.token_id, None) for s in out.scheduled if s.samples]
 
 
@@ -338,9 +342,16 @@ def test_engine_failure_is_an_error_body_or_event(overload_server):
             "stop_token_ids": [POISON]}) as s:
         events = [line for line in s.iter_lines() if line]
     assert events[-1] == "data: [DONE]"  # this one was fine: the loop still serves
+    # Failing before the first token: the stream has not started, so a real status.
     with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
             "prompt": [1, POISON], "max_tokens": 2, "stream": True}) as s:
+        s.read()
+        assert s.status_code == 500 and "poisoned prompt" in s.json()["error"]["message"]
+    # Failing after it: the 200 is sent, so the stream ends with an error event.
+    with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
+            "prompt": [1, POISON_LATER], "max_tokens": 4, "stream": True}) as s:
         assert s.status_code == 200
         events = [line for line in s.iter_lines() if line]
-    assert '"error"' in events[-2] and "poisoned" in events[-2]
+    assert '"text"' in events[0]
+    assert '"error"' in events[-2] and "poisoned decode" in events[-2]
     assert events[-1] == "data: [DONE]"

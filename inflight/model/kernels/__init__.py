@@ -3,12 +3,21 @@ ctypes (no torch headers, so a build takes about a second). Anything missing (no
 a failed build, an unsupported shape) falls back to the PyTorch path, logged once.
 
 ``INFLIGHT_ATTENTION_BACKEND=torch`` forces the fallback; ``INFLIGHT_KERNEL_CACHE`` sets
-where built libraries go (default ``~/.cache/inflight/kernels``).
+where built libraries go (default ``~/.cache/inflight/kernels``); ``INFLIGHT_ATTENTION_THREADS``
+(default 1) splits decode attention's rows over that many threads.
+
+Why one thread by default: between its ops PyTorch's OpenMP workers spin on the other
+cores, so a helper thread started right after a matmul finds no free core. Measured in the
+engine (bfloat16, 2 cores), 2 threads saved nothing. With ``OMP_WAIT_POLICY=PASSIVE`` they
+cut attention at 256 running from 96 to 60 ms a step, but every other op then pays a thread
+wake-up and batch 1 went from 23-26 to 36 ms (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import itertools
 import hashlib
 import logging
 import os
@@ -18,6 +27,7 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -76,7 +86,8 @@ def native_library() -> ctypes.CDLL | None:
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+                           seq_lens: torch.Tensor, scale: float,
+                           row_splits: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
     """Decode attention over the paged cache with the native kernel.
 
     Args:
@@ -84,6 +95,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, q's dtype.
         block_tables: ``[B, max_blocks]`` int64; seq_lens: ``[B]`` int64 (>= 1 each).
         scale: softmax scale.
+        row_splits: row ranges run on separate threads (``split_rows``; the runner
+            computes them once a step); None: computed here from ``seq_lens``.
 
     Returns:
         ``[B, num_heads, head_dim]`` in q's dtype, or None when the kernel cannot run these
@@ -109,7 +122,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
             out.data_ptr() + lo * h * d * elem, hi - lo, h, h_kv, d, num_blocks, block_size,
             width, scale)
 
-    parts = _split_rows(lens, torch.get_num_threads())
+    parts = row_splits
+    if parts is None:
+        threads = attention_threads()
+        parts = [(0, b)] if threads == 1 else split_rows(lens.tolist(), threads)
     if len(parts) == 1:
         rc = run(0, b)
     else:
@@ -136,16 +152,21 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
-def _split_rows(seq_lens: torch.Tensor, num_threads: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges with about equal keys each (the kernel's work is linear in
-    them); one range when the work is too small to share."""
-    b = seq_lens.shape[0]
-    total = int(seq_lens.sum())
+def attention_threads() -> int:
+    """Threads for decode attention: ``INFLIGHT_ATTENTION_THREADS``, else 1."""
+    env = os.environ.get("INFLIGHT_ATTENTION_THREADS", "").strip()
+    return max(int(env), 1) if env.isdigit() else 1
+
+
+def split_rows(seq_lens: Sequence[int], num_threads: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges ``[lo, hi)`` with about equal keys each (the kernel's work is
+    linear in them), at most ``num_threads``; one range when the work is too small to share
+    (under ``MIN_KEYS_PER_THREAD`` keys a thread)."""
+    b, total = len(seq_lens), sum(seq_lens)
     n = min(num_threads, b, total // MIN_KEYS_PER_THREAD)
     if n <= 1:
         return [(0, b)]
-    cum = seq_lens.cumsum(0)
-    cuts = torch.searchsorted(cum, torch.arange(1, n, dtype=cum.dtype) * total / n).tolist()
-    # Each cut follows the row whose keys cross the next multiple of total / n.
-    bounds = [0] + [min(c + 1, b) for c in cuts] + [b]
+    cum = list(itertools.accumulate(seq_lens))
+    # Each cut follows the row whose keys reach the next multiple of total / n.
+    bounds = [0] + [min(bisect.bisect_left(cum, i * total / n) + 1, b) for i in range(1, n)] + [b]
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
