@@ -43,6 +43,10 @@ _FAILURE_BACKOFF_S = 0.1
 StepListener = Callable[[EngineStats, list[RequestOutput], float], None]
 
 
+class RequestTooLargeError(ValueError):
+    """A request with more sequences (``n``) than the server could ever queue at once."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Too many requests wait already (``max_num_waiting``); retry after ``retry_after`` s."""
 
@@ -219,11 +223,17 @@ class AsyncEngine:
             EngineOverloadedError: ``max_num_waiting`` sequences already wait.
             EngineDeadError: the engine loop is not running.
             ValueError: ``request_id`` is already in flight.
+            RequestTooLargeError: ``n`` exceeds what could ever be queued
+                (``max_num_seqs + max_num_waiting``): retrying cannot help.
         """
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
         n = sampling_params.n
+        capacity = self.engine.config.max_num_seqs + (self.max_num_waiting or 0)
+        if self.max_num_waiting is not None and n > capacity:
+            raise RequestTooLargeError(f"n: {n} sequences can never be queued at once; this server runs "
+                             f"at most max_num_seqs + max_num_waiting = {capacity}")
         stream = RequestStream(request_id, self, loop)
         with self._lock:
             if request_id in self._streams:
@@ -234,8 +244,9 @@ class AsyncEngine:
             if self.max_num_waiting is not None \
                     and waiting + n > self.max_num_waiting + free_slots:
                 raise EngineOverloadedError(
-                    f"the server is overloaded: {waiting} sequences are waiting "
-                    f"(max_num_waiting={self.max_num_waiting}); retry later")
+                    f"the server is overloaded: {waiting} sequences are queued for "
+                    f"{free_slots} free running slots and max_num_waiting="
+                    f"{self.max_num_waiting} more; retry later")
             self._num_pending += n
             self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time

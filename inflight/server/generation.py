@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from inflight.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
-                                          RequestFailedError, RequestStream, merge_outputs)
+                                          RequestFailedError, RequestStream, RequestTooLargeError,
+                                          merge_outputs)
 from inflight.outputs import RequestOutput
 from inflight.sampling_params import SamplingParams
 from inflight.server.errors import OpenAIError, bad_request, from_value_error
@@ -162,6 +163,9 @@ class Generation:
             self.abort()
             raise OpenAIError(503, f"the server is shutting down: {e}",
                               code="server_unavailable") from None
+        except RequestTooLargeError as e:  # retrying could never help: not a 503
+            self.abort()
+            raise bad_request(str(e), param="n") from None
 
     def abort(self) -> None:
         """Abort every unfinished engine request of this call (idempotent)."""
@@ -187,6 +191,14 @@ class Generation:
             self._first = await self._deltas.__anext__()
         except StopAsyncIteration:
             self._first = None
+        out = self._first[1] if self._first is not None else None
+        if (out is not None and out.finished and out.outputs
+                and all(c.finish_reason == "abort" and not c.token_ids for c in out.outputs)):
+            # Aborted before any token: the server is shutting down (a client that left
+            # reads nothing), so a status the client can act on rather than an empty stream.
+            self.abort()
+            raise OpenAIError(503, "the request was aborted before its first token: the server "
+                              "is shutting down", code="server_unavailable")
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(prompt_index, delta)`` as they come, all prompts interleaved.

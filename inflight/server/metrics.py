@@ -155,6 +155,10 @@ class ServerMetrics:
             "inflight:request_success", "Finished sequences, by finish reason "
             "(stop, length, abort; error when the engine failed the request).",
             ["finished_reason"], registry=r)
+        self.requests_shed = Counter(
+            "inflight:requests_shed", "Requests rejected by load shedding (--max-queue-time, "
+            "the slo policy) with a 503; their sequences also count as finished_reason abort.",
+            registry=r)
         if config_labels:
             Info("inflight:engine_config", "Engine settings.", registry=r).info(config_labels)
         self.windows = {"time_to_first_token_seconds": SlidingWindow(window_s),
@@ -213,6 +217,8 @@ class ServerMetrics:
                 self.request_success.labels("error" if out.error else c.finish_reason).inc()
                 self._last_emit.pop((rid, c.index), None)
         if out.finished:
+            if out.shed_reason:
+                self.requests_shed.inc()
             self._first_token_seen.discard(rid)
             for key in [k for k in self._last_emit if k[0] == rid]:
                 del self._last_emit[key]

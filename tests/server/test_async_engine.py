@@ -331,6 +331,19 @@ def test_overload_gets_503_with_retry_after_at_once(overload_server):
     assert r.status_code == 200
 
 
+def test_n_beyond_what_could_ever_queue_is_a_400_not_a_503(overload_server):
+    # max_num_seqs 1 + max_num_waiting 1: three sequences can never be queued together.
+    url = overload_server.base_url
+    r = httpx.post(url + "/v1/completions", timeout=30,
+                   json={"prompt": [1], "max_tokens": 2, "n": 3, "temperature": 1})
+    assert r.status_code == 400 and "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == "n" and "max_num_seqs + max_num_waiting = 2" in err["message"]
+    ok = httpx.post(url + "/v1/completions", timeout=30,
+                    json={"prompt": [1], "max_tokens": 2, "n": 2, "temperature": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
 def test_engine_failure_is_an_error_body_or_event(overload_server):
     url = overload_server.base_url
     r = httpx.post(url + "/v1/completions", json={"prompt": [POISON], "max_tokens": 2}, timeout=30)
@@ -355,3 +368,38 @@ def test_engine_failure_is_an_error_body_or_event(overload_server):
     assert '"text"' in events[0]
     assert '"error"' in events[-2] and "poisoned decode" in events[-2]
     assert events[-1] == "data: [DONE]"
+
+
+def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_abort(tokenizer):
+    from inflight.server.app import build_app
+
+    engine, _ = fake_engine(tokenizer, delay=0.02, max_num_seqs=1)
+    ae = AsyncEngine(engine, log_interval_s=0)
+    srv = ServerThread(build_app(ae, model_names=["fake"])).start()
+    url = srv.base_url
+    try:
+        body = {"prompt": [1, 2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as running:
+            lines = running.iter_lines()
+            next(lines)
+            queued: dict = {}
+
+            def send():
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                    r.read()
+                    queued["status"], queued["body"] = r.status_code, r.json()
+
+            t = threading.Thread(target=send, daemon=True)
+            t.start()
+            wait_until(lambda: get_json(url, "/stats")["num_requests_waiting"] == 1, timeout=5,
+                       what="the second stream to queue")
+            ae.abort_all()  # what shutdown does when its grace period runs out
+            rest = [line for line in lines if line]
+            t.join(10)
+        # Already streaming: it ends as aborted. Never started: a status to act on.
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
+        assert queued["status"] == 503
+        assert queued["body"]["error"]["code"] == "server_unavailable"
+    finally:
+        srv.stop()
+        ae.shutdown()
