@@ -159,7 +159,7 @@ async def _respond(request: Request, gen: Generation, body, stream_fn, response_
         # Headers wait for the first token, so a request shed or refused before it gets a
         # 503/4xx status, not a 200 stream carrying an error event.
         try:
-            if await _unless_disconnect(request, gen, _primed(gen)) is None:
+            if await _unless_disconnect(request, gen, gen.first_delta()) is None:
                 return gone
         except BaseException:
             gen.abort()
@@ -170,10 +170,6 @@ async def _respond(request: Request, gen: Generation, body, stream_fn, response_
         return gone
     return JSONResponse(response_fn(gen, body, finals))
 
-
-async def _primed(gen: Generation) -> bool:
-    await gen.first_delta()
-    return True
 
 
 def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:

@@ -176,8 +176,8 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    async def first_delta(self) -> None:
-        """Wait for the first delta and keep it for ``deltas()``.
+    async def first_delta(self) -> "Generation":
+        """Wait for the first delta and keep it for ``deltas()``; returns ``self``.
 
         A stream commits to HTTP 200 with its first byte; waiting for the first delta
         first lets a request the engine sheds or refuses before its first token get a
@@ -191,14 +191,7 @@ class Generation:
             self._first = await self._deltas.__anext__()
         except StopAsyncIteration:
             self._first = None
-        out = self._first[1] if self._first is not None else None
-        if (out is not None and out.finished and out.outputs
-                and all(c.finish_reason == "abort" and not c.token_ids for c in out.outputs)):
-            # Aborted before any token: the server is shutting down (a client that left
-            # reads nothing), so a status the client can act on rather than an empty stream.
-            self.abort()
-            raise OpenAIError(503, "the request was aborted before its first token: the server "
-                              "is shutting down", code="server_unavailable")
+        return self
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(prompt_index, delta)`` as they come, all prompts interleaved.
@@ -206,13 +199,9 @@ class Generation:
         Raises ``OpenAIError`` when the engine refuses or fails a request (the others
         are aborted); leaving early aborts them all.
         """
-        if self._deltas is None:
-            async for item in self._produce():
-                yield item
-            return
         if self._first is not None:
             yield self._first
-        async for item in self._deltas:
+        async for item in self._deltas or self._produce():
             yield item
 
     async def _produce(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -248,6 +237,12 @@ def _checked(out: RequestOutput) -> RequestOutput:
         # Load shedding: the server chose not to serve it in time; the client may retry.
         raise OpenAIError(503, f"request shed: {out.shed_reason}", code="server_overloaded",
                           headers={"Retry-After": "1"})
+    if (out.finished and out.metrics is not None and out.metrics.first_token_time is None
+            and any(c.finish_reason == "abort" for c in out.outputs)):
+        # Aborted before its first token: only shutdown does that to a request whose
+        # client is still there (a client that left reads nothing), so say so with a status.
+        raise OpenAIError(503, "the request was aborted before its first token: the server "
+                          "is shutting down", code="server_unavailable")
     return out
 
 

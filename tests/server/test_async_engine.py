@@ -389,17 +389,26 @@ def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_abort(tokeni
                     r.read()
                     queued["status"], queued["body"] = r.status_code, r.json()
 
-            t = threading.Thread(target=send, daemon=True)
-            t.start()
-            wait_until(lambda: get_json(url, "/stats")["num_requests_waiting"] == 1, timeout=5,
-                       what="the second stream to queue")
+            def send_plain():
+                r = httpx.post(url + "/v1/completions", timeout=30,
+                               json={**body, "stream": False})
+                queued["plain"] = r.status_code, r.json()
+
+            threads = [threading.Thread(target=f, daemon=True) for f in (send, send_plain)]
+            for t in threads:
+                t.start()
+            wait_until(lambda: get_json(url, "/stats")["num_requests_waiting"] == 2, timeout=5,
+                       what="a stream and a plain request to queue")
             ae.abort_all()  # what shutdown does when its grace period runs out
             rest = [line for line in lines if line]
-            t.join(10)
+            for t in threads:
+                t.join(10)
         # Already streaming: it ends as aborted. Never started: a status to act on.
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
         assert queued["status"] == 503
         assert queued["body"]["error"]["code"] == "server_unavailable"
+        assert queued["plain"][0] == 503
+        assert queued["plain"][1]["error"]["code"] == "server_unavailable"
     finally:
         srv.stop()
         ae.shutdown()
