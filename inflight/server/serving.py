@@ -86,12 +86,15 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-async def stream_completion(gen: Generation, req: CompletionRequest) -> AsyncIterator[str]:
-    """SSE ``text_completion`` chunks, then a usage chunk if asked, then ``[DONE]``."""
-    tt = gen.ctx.token_texts
-    offsets: dict[int, int] = {}
+async def _sse_stream(gen: Generation, req, obj: str, choice) -> AsyncIterator[str]:
+    """The SSE loop both routes share: one event per visible choice delta, an error event
+    if the engine fails mid-stream (the 200 is sent), a usage chunk if asked, ``[DONE]``.
+
+    ``choice(prompt_index, completion)`` builds one choice dict, or None for a delta a
+    client could not see (a held-back partial character).
+    """
     completion_tokens = 0
-    base = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
+    base = {"id": gen.request_id, "object": obj, "created": gen.created,
             "model": gen.ctx.model_name}
     async for i, out in _guard(gen):
         if isinstance(out, OpenAIError):
@@ -100,19 +103,30 @@ async def stream_completion(gen: Generation, req: CompletionRequest) -> AsyncIte
             return
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            if not c.text and c.finish_reason is None and req.logprobs is None:
-                continue  # nothing a client could see (a held-back partial character)
-            index = i * gen.n + c.index
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = completion_logprobs(tt, c, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            yield sse({**base, "choices": [{
-                "index": index, "text": c.text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+            body = choice(i, c)
+            if body is not None:
+                yield sse({**base, "choices": [body]})
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse({**base, "choices": [], "usage": _usage(gen.num_prompt_tokens, completion_tokens)})
     yield sse("[DONE]")
+
+
+def stream_completion(gen: Generation, req: CompletionRequest) -> AsyncIterator[str]:
+    """SSE ``text_completion`` chunks, then a usage chunk if asked, then ``[DONE]``."""
+    tt = gen.ctx.token_texts
+    offsets: dict[int, int] = {}
+
+    def choice(i: int, c) -> dict | None:
+        if not c.text and c.finish_reason is None and req.logprobs is None:
+            return None
+        index = i * gen.n + c.index
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(tt, c, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        return {"index": index, "text": c.text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return _sse_stream(gen, req, "text_completion", choice)
 
 
 async def _guard(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput | OpenAIError]]:
@@ -186,33 +200,21 @@ def chat_response(gen: Generation, req: ChatCompletionRequest,
             "usage": _usage(gen.num_prompt_tokens, completion_tokens)}
 
 
-async def stream_chat(gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[str]:
+def stream_chat(gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[str]:
     """SSE ``chat.completion.chunk`` events, usage chunk if asked, then ``[DONE]``.
 
     The first chunk of each choice carries ``role: assistant`` with its first text."""
     tt = gen.ctx.token_texts
     started: set[int] = set()
-    completion_tokens = 0
-    base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
-            "model": gen.ctx.model_name}
-    async for _, out in _guard(gen):
-        if isinstance(out, OpenAIError):
-            yield sse(out.body())
-            yield sse("[DONE]")
-            return
-        for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            if not c.text and c.finish_reason is None and not req.logprobs:
-                continue
-            delta: dict = {"content": c.text}
-            if c.index not in started:
-                started.add(c.index)
-                delta = {"role": "assistant", **delta}
-            yield sse({**base, "choices": [{
-                "index": c.index, "delta": delta,
+
+    def choice(_: int, c) -> dict | None:
+        if not c.text and c.finish_reason is None and not req.logprobs:
+            return None
+        delta: dict = {"content": c.text}
+        if c.index not in started:
+            started.add(c.index)
+            delta = {"role": "assistant", **delta}
+        return {"index": c.index, "delta": delta,
                 "logprobs": chat_logprobs(tt, c, req.top_logprobs or 0) if req.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse({**base, "choices": [],
-                   "usage": _usage(gen.num_prompt_tokens, completion_tokens)})
-    yield sse("[DONE]")
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return _sse_stream(gen, req, "chat.completion.chunk", choice)
