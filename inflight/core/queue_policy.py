@@ -41,7 +41,8 @@ class FCFSPolicy:
     def infeasible(self, waiting: Iterable[Request], now: float, running: list[Request],
                    token_budget: int) -> list[tuple[Request, str]]:
         """Waiting requests to shed now, with the reason; ``running`` and ``token_budget``
-        (tokens per step) let a policy predict when each would get its first token."""
+        (this step's tokens, as ``step_budget`` returned them) let a policy predict when
+        each would get its first token."""
         return []
 
 
@@ -108,16 +109,15 @@ class SLOPolicy(FCFSPolicy):
 
         In deadline order, a request's first token cannot come before every request ahead
         of it (preempted work first, then earlier deadlines) and its own prompt are
-        prefilled. Each step gives prefill the ITL-capped budget less one token per running
-        request, and takes the step model's time for that many tokens. Free KV blocks and
+        prefilled. Each step gives prefill ``token_budget`` (ITL-capped) less one token per
+        running request, and takes the step model's time for that many tokens. Free KV blocks and
         ``max_num_seqs`` slots are assumed, so the estimate is optimistic: what it sheds is
         late for certain (under the step model), and it sheds at arrival rather than once
         the deadline has passed, so the client can retry elsewhere at once.
         """
         if not self.step_model.ready:
             return []
-        budget = self.step_budget(running, token_budget)
-        per_step = max(budget - len(running), 1)
+        per_step = max(token_budget - len(running), 1)
         shed, ahead = [], 0
         for req in self.waiting_order(waiting, now):
             need = req.num_tokens - req.num_computed_tokens
@@ -125,7 +125,7 @@ class SLOPolicy(FCFSPolicy):
             if math.isfinite(deadline):
                 total = ahead + need
                 steps = -(-total // per_step)
-                finish = now + steps * self.step_model.predict(min(budget, len(running) + total))
+                finish = now + steps * self.step_model.predict(min(token_budget, len(running) + total))
                 if finish > deadline:
                     shed.append((req, f"TTFT deadline missed: would reach its first token "
                                       f"{finish - req.arrival_time:.2f} s after arrival at the "

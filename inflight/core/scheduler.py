@@ -87,8 +87,8 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         self.kv_cache.begin_step()
         out = SchedulerOutput()
-        self._shed(out, now)
         budget = self.policy.step_budget(self.running, self.config.max_num_batched_tokens)
+        self._shed(out, now, budget)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
@@ -161,7 +161,7 @@ class Scheduler:
         else:  # after every request with the same key: the newest is preempted first
             bisect.insort_right(self.running, req, key=self.policy.running_key)
 
-    def _shed(self, out: SchedulerOutput, now: float) -> None:
+    def _shed(self, out: SchedulerOutput, now: float, budget: int) -> None:
         """Reject waiting requests that can no longer be served in time (load shedding):
         those past ``max_queue_time`` and those the policy finds infeasible."""
         if not self.waiting or (self.config.max_queue_time is None
@@ -173,9 +173,8 @@ class Scheduler:
                 and now - r.arrival_time > limit]
         seen = {r.request_id for r, _ in shed}
         rest = [r for r in self.waiting if r.request_id not in seen]
-        shed += [(r, why) for r, why in self.policy.infeasible(
-            rest, now, self.running, self.config.max_num_batched_tokens)
-            if r.first_scheduled_time is None]
+        shed += [(r, why) for r, why in self.policy.infeasible(rest, now, self.running, budget)
+                 if r.first_scheduled_time is None]
         for req, why in shed:
             req.shed_reason = why
             self.finish_request(req, RequestStatus.FINISHED_ABORTED)
