@@ -64,6 +64,7 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, kv_cache_dtype, self.device)
                           for _ in range(c.num_hidden_layers)]
         self.step_timer = StepTimer()  # the engine hands in its own
+        self.attention_threads = attention_threads()  # read once: the env does not change
 
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         """Run one step; returns one sampled token per request that completed its tokens."""
@@ -120,7 +121,8 @@ class ModelRunner:
             lens = [s.num_computed_tokens + 1 for s in decodes]
             meta.decode_seq_lens = torch.tensor(lens, dtype=torch.long, device=dev)
             if dev.type == "cpu":  # once a step, not once a layer
-                meta.decode_row_splits = split_rows(lens, attention_threads())
+                meta.decode_row_splits = (split_rows(lens, self.attention_threads)
+                                          if self.attention_threads > 1 else [(0, len(lens))])
         row = len(decodes)
         for s in prefills:
             n = s.num_scheduled_tokens
