@@ -101,11 +101,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def token_id_at(self, position: int) -> int:
-        """The token id at ``position`` (0-based) of prompt + output."""
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Token ids at positions ``[start, end)`` of prompt + output."""
         n = len(self.prompt_token_ids)

@@ -19,7 +19,6 @@ Percentiles are numpy's default (linear interpolation between order statistics),
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -242,7 +241,3 @@ def _error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
             key = (r.error or "unknown")[:80]
             counts[key] = counts.get(key, 0) + 1
     return counts
-
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

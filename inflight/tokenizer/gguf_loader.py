@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 from inflight.model.gguf_file import read_gguf_metadata
