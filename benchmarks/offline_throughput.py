@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from inflight.bench.datasets import default_data_dir
+
+DATA = default_data_dir()  # $INFLIGHT_DATA_DIR, else ../shared/data
 
 
 def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:

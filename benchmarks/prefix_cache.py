@@ -27,12 +27,10 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from inflight.bench.datasets import default_data_dir
+from inflight.bench.stats import percentile
 
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
+DATA = default_data_dir()  # $INFLIGHT_DATA_DIR, else ../shared/data
 
 
 def replay(engine, requests: list[tuple[float, list[int], object]]) -> dict:
@@ -59,7 +57,7 @@ def replay(engine, requests: list[tuple[float, list[int], object]]) -> dict:
     queries = stats.prefix_cache_queries - stats0.prefix_cache_queries
     hits = stats.prefix_cache_hits - stats0.prefix_cache_hits
     return {"requests": len(outs), "elapsed_s": elapsed, "output_tok_s": gen / elapsed,
-            "ttft_p50_s": _percentile(ttft, 50), "ttft_p95_s": _percentile(ttft, 95),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
             "hit_rate": hits / queries if queries else 0.0,
             "prompt_tokens_computed": stats.prompt_tokens - stats0.prompt_tokens,
             "outputs": {k: o.outputs[0].token_ids for k, o in outs.items()}}

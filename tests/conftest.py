@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from inflight.bench.datasets import default_data_dir
 from inflight.sampler import SampleResult
 
-
-# Workload data (../shared/data next to the checkout, as CI lays it out); override with
-# $INFLIGHT_DATA_DIR, as the bench tool does.
-DATA_DIR = Path(os.environ.get("INFLIGHT_DATA_DIR")
-                or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+# Workload data: ../shared/data next to the checkout, as CI lays it out, or
+# $INFLIGHT_DATA_DIR (the bench tool's own lookup).
+DATA_DIR = default_data_dir()
 
 
 def require_data(name: str) -> Path:
