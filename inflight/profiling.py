@@ -111,3 +111,7 @@ class StepTimer:
         parts = " ".join(f"{p} {s[f'{p}_ms']:.1f}" for p in PHASES)
         return (f"{s['steps']} steps, {s['mean_seqs']:.0f} seqs, {s['mean_tokens']:.0f} tokens, "
                 f"{s['total_ms']:.1f} ms/step: {parts} other {s['other_ms']:.1f} (ms)")
+
+
+# The disabled timer that attention metadata carries by default (never records).
+NULL_TIMER = StepTimer()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.model.kernels import paged_decode_attention
-from inflight.profiling import StepTimer
+from inflight.profiling import NULL_TIMER, StepTimer
 
 
 @dataclass
@@ -65,7 +65,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None
     decode_row_splits: list[tuple[int, int]] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
-    timer: StepTimer = field(default_factory=StepTimer)
+    timer: StepTimer = NULL_TIMER
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
