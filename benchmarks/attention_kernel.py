@@ -2,9 +2,9 @@
 
 Times ``inflight.model.kernels.paged_decode_attention`` on ``--batch`` sequences of
 ``--context`` keys (9 query / 3 KV heads of 64, the bundled model's), with the KV blocks
-laid out in order or scattered at random, on 1 and 2 threads (rows split across Python
-threads), alone and right after a PyTorch matmul (whose OpenMP workers then spin on the
-other core). Interleaved, best of ``--repeats``.
+laid out in order or scattered at random, on 1 and 2 threads of PyTorch's OpenMP pool,
+alone and right after a PyTorch matmul (as in a model step). Interleaved, best of
+``--repeats``.
 
 To compare against an older kernel, build it next to this one with
 ``git show REV:inflight/model/kernels/paged_attention.c``.
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from inflight.model.kernels import native_library, paged_decode_attention, split_rows
+from inflight.model.kernels import native_library, paged_decode_attention
 
 
 def per_call(fn, seconds: float = 0.5) -> float:
@@ -59,12 +59,10 @@ def main() -> None:
             best = {}
             for _ in range(args.repeats):
                 for threads in (1, 2):
-                    splits = split_rows(lens.tolist(), threads)
-
                     def call():
                         if after_matmul:
                             x @ w
-                        paged_decode_attention(q, cache, tables, lens, d ** -0.5, splits)
+                        paged_decode_attention(q, cache, tables, lens, d ** -0.5, threads)
                     t = per_call(call)
                     best[threads] = min(best.get(threads, t), t)
             extra = " after a matmul (matmul time included)" if after_matmul else ""

@@ -16,7 +16,6 @@ import torch
 from inflight.core.output import ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.config import ModelConfig
-from inflight.model.kernels import attention_threads, split_rows
 from inflight.model.llama import LlamaForCausalLM
 from inflight.profiling import StepTimer
 from inflight.sampler import SampleResult, Sampler
@@ -64,7 +63,6 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, kv_cache_dtype, self.device)
                           for _ in range(c.num_hidden_layers)]
         self.step_timer = StepTimer()  # the engine hands in its own
-        self.attention_threads = attention_threads()  # read once: the env does not change
 
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         """Run one step; returns one sampled token per request that completed its tokens."""
@@ -120,9 +118,6 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
             lens = [s.num_computed_tokens + 1 for s in decodes]
             meta.decode_seq_lens = torch.tensor(lens, dtype=torch.long, device=dev)
-            if dev.type == "cpu":  # once a step, not once a layer
-                meta.decode_row_splits = (split_rows(lens, self.attention_threads)
-                                          if self.attention_threads > 1 else [(0, len(lens))])
         row = len(decodes)
         for s in prefills:
             n = s.num_scheduled_tokens

@@ -54,7 +54,6 @@ class AttentionMetadata:
         num_decodes: the first ``num_decodes`` rows are single-token decodes.
         decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0.
         decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
-        decode_row_splits: decode rows per attention thread, ``[(lo, hi), ...]``.
         prefills: the prefill chunks, in row order after the decodes.
         timer: the step's timer (``attention`` phase); a disabled one by default.
     """
@@ -63,7 +62,6 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
-    decode_row_splits: list[tuple[int, int]] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     timer: StepTimer = NULL_TIMER
 
@@ -96,12 +94,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_tokens, num_heads, head_dim = q.shape
     if meta.num_decodes == num_tokens:  # a pure decode step: no copy into a shared output
         return _decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                 scale, meta.decode_row_splits).view(num_tokens, -1)
+                                 scale).view(num_tokens, -1)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
     if meta.num_decodes:
         nd = meta.num_decodes
         out[:nd] = _decode_attention(q[:nd], kv_cache, meta.decode_block_tables,
-                                     meta.decode_seq_lens, scale, meta.decode_row_splits)
+                                     meta.decode_seq_lens, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_end)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, scale)
@@ -115,9 +113,8 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float,
-                      row_splits: list[tuple[int, int]] | None) -> torch.Tensor:
-    out = paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, row_splits)
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    out = paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
     if out is not None:  # the native kernel reads the blocks in place, without a gather
         return out
     return decode_attention_torch(q, kv_cache, block_tables, seq_lens, scale)

@@ -20,6 +20,7 @@ from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.config import ModelConfig
+from inflight.model.kernels import SKINNY_MAX_ROWS, skinny_linear
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,6 +78,10 @@ class Linear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= SKINNY_MAX_ROWS and x.dim() == 2:
+            y = skinny_linear(x, self.weight, self.bias)
+            if y is not None:
+                return y
         if self.packed is not None and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

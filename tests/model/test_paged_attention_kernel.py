@@ -38,8 +38,8 @@ def test_unsupported_inputs_fall_back():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("threads", [2, 3])
-def test_rows_split_across_threads_give_identical_output(dtype, threads, monkeypatch):
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_threads_give_identical_output(dtype, threads, monkeypatch):
     import inflight.model.kernels as kernels
     g = torch.Generator().manual_seed(threads)
     lens = torch.tensor([40, 1, 17, 33, 2, 64, 5, 16, 31])
@@ -47,17 +47,7 @@ def test_rows_split_across_threads_give_identical_output(dtype, threads, monkeyp
     cache = torch.randn(2, 3, batch * width, bs, 64, generator=g).to(dtype)
     tables = torch.randperm(batch * width, generator=g).view(batch, width)
     q = torch.randn(batch, 9, 64, generator=g).to(dtype)
-    whole = paged_decode_attention(q, cache, tables, lens, 0.125)
-    monkeypatch.setattr(kernels, "MIN_KEYS_PER_THREAD", 1)
-    monkeypatch.setenv("INFLIGHT_ATTENTION_THREADS", str(threads))
-    assert len(kernels.split_rows(lens.tolist(), threads)) == threads
-    split = paged_decode_attention(q, cache, tables, lens, 0.125)
-    assert torch.equal(split, whole)  # rows are independent: bit-identical
-
-
-def test_split_rows_balances_keys():
-    from inflight.model.kernels import split_rows
-    assert split_rows([100] * 64, 2) == [(0, 32), (32, 64)]
-    assert split_rows([3000, 10, 10, 10, 3000, 5], 2) == [(0, 3), (3, 6)]
-    assert split_rows([100] * 32, 2) == [(0, 32)]  # 3,200 keys: not worth it
-    assert split_rows([9000], 4) == [(0, 1)]
+    whole = paged_decode_attention(q, cache, tables, lens, 0.125, num_threads=1)
+    monkeypatch.setattr(kernels, "MIN_KEYS_PER_THREAD", 1)  # split even this small batch
+    split = paged_decode_attention(q, cache, tables, lens, 0.125, num_threads=threads)
+    assert torch.equal(split, whole)  # (sequence, head) pairs are independent: bit-identical

@@ -3,21 +3,18 @@ ctypes (no torch headers, so a build takes about a second). Anything missing (no
 a failed build, an unsupported shape) falls back to the PyTorch path, logged once.
 
 ``INFLIGHT_ATTENTION_BACKEND=torch`` forces the fallback; ``INFLIGHT_KERNEL_CACHE`` sets
-where built libraries go (default ``~/.cache/inflight/kernels``); ``INFLIGHT_ATTENTION_THREADS``
-(default 1) splits decode attention's rows over that many threads.
+where built libraries go (default ``~/.cache/inflight/kernels``).
 
-Why one thread by default: between its ops PyTorch's OpenMP workers spin on the other
-cores, so a helper thread started right after a matmul finds no free core. Measured in the
-engine (bfloat16, 2 cores), 2 threads saved nothing. With ``OMP_WAIT_POLICY=PASSIVE`` they
-cut attention at 256 running from 96 to 60 ms a step, but every other op then pays a thread
-wake-up and batch 1 went from 23-26 to 36 ms (docs/performance.md).
+Threads: the kernels are built with OpenMP and loaded after PyTorch, so they link to the
+libgomp PyTorch already loaded and run on PyTorch's own thread pool, as many threads as
+``torch.get_num_threads()``. That pool's workers spin for a while after each PyTorch op, so
+a kernel called next starts its team at once. Python threads or a second OpenMP runtime
+would find those cores busy (measured: no gain at all; docs/performance.md).
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
-import itertools
 import hashlib
 import logging
 import os
@@ -25,17 +22,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "linear.c")]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -46,29 +41,32 @@ def _build() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        logger.warning("no C compiler found: paged attention uses the PyTorch fallback")
+        logger.warning("no C compiler found: attention and linear layers use PyTorch alone")
         return None
-    src = _SOURCE.read_bytes()
+    src = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(src + " ".join(_CFLAGS).encode() + platform.machine().encode()
                          + platform.node().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("INFLIGHT_KERNEL_CACHE", Path.home() / ".cache/inflight/kernels"))
-    lib_path = cache / f"paged_attention-{key}.so"
+    lib_path = cache / f"inflight-kernels-{key}.so"
     if not lib_path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             tmp_lib = Path(tmp) / lib_path.name
-            result = subprocess.run([cc, *_CFLAGS, str(_SOURCE), "-o", str(tmp_lib)],
+            result = subprocess.run([cc, *_CFLAGS, *map(str, _SOURCES), "-o", str(tmp_lib)],
                                     capture_output=True, text=True, timeout=120)
             if result.returncode != 0:
-                logger.warning("building the paged attention kernel failed; using the PyTorch "
-                               "fallback:\n%s", result.stderr[-2000:])
+                logger.warning("building the native kernels failed; using PyTorch alone:\n%s",
+                               result.stderr[-2000:])
                 return None
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a file
     lib = ctypes.CDLL(str(lib_path))
     f = lib.paged_decode_attention
     f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                  ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7
+                  + [ctypes.c_float] + [ctypes.c_int64] * 2)
+    f = lib.skinny_linear
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     return lib
 
 
@@ -80,14 +78,19 @@ def native_library() -> ctypes.CDLL | None:
         try:
             _lib = _build()
         except Exception:  # a broken toolchain must not take the engine down
-            logger.exception("loading the paged attention kernel failed; using PyTorch")
+            logger.exception("loading the native kernels failed; using PyTorch alone")
             _lib = None
     return _lib
 
 
+# Below this many keys a thread, decode attention stays on the calling thread: starting the
+# team costs a few microseconds a layer.
+MIN_KEYS_PER_THREAD = 512
+
+
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           row_splits: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
+                           num_threads: int | None = None) -> torch.Tensor | None:
     """Decode attention over the paged cache with the native kernel.
 
     Args:
@@ -95,8 +98,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, q's dtype.
         block_tables: ``[B, max_blocks]`` int64; seq_lens: ``[B]`` int64 (>= 1 each).
         scale: softmax scale.
-        row_splits: row ranges run on separate threads (``split_rows``; the runner
-            computes them once a step); None: computed here from ``seq_lens``.
+        num_threads: at most this many threads (default ``torch.get_num_threads()``), each
+            with a contiguous run of (sequence, KV head) pairs holding about equal keys and
+            at least ``MIN_KEYS_PER_THREAD``. Results do not depend on it.
 
     Returns:
         ``[B, num_heads, head_dim]`` in q's dtype, or None when the kernel cannot run these
@@ -112,61 +116,46 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     out = torch.empty_like(q)
     b, h, d = q.shape
     _, h_kv, num_blocks, block_size, _ = kv_cache.shape
-    width, elem = tables.shape[1], q.element_size()
-    is_bf16 = int(q.dtype == torch.bfloat16)
-
-    def run(lo: int, hi: int) -> int:  # rows [lo, hi); ctypes drops the GIL for the call
-        return lib.paged_decode_attention(
-            is_bf16, q.data_ptr() + lo * h * d * elem, kv_cache.data_ptr(),
-            tables.data_ptr() + lo * width * 8, lens.data_ptr() + lo * 8,
-            out.data_ptr() + lo * h * d * elem, hi - lo, h, h_kv, d, num_blocks, block_size,
-            width, scale)
-
-    parts = row_splits
-    if parts is None:
-        threads = attention_threads()
-        parts = [(0, b)] if threads == 1 else split_rows(lens.tolist(), threads)
-    if len(parts) == 1:
-        rc = run(0, b)
-    else:
-        # The rows are independent: the other threads take a share of the keys each, and
-        # this thread the first. Python threads, not an OpenMP pool of the kernel's own:
-        # that one spun against PyTorch's for the same cores.
-        futures = [_executor().submit(run, lo, hi) for lo, hi in parts[1:]]
-        rc = run(*parts[0])
-        rc = min([rc] + [f.result() for f in futures])
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    rc = lib.paged_decode_attention(
+        int(q.dtype == torch.bfloat16), q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), out.data_ptr(), b, h, h_kv, d, num_blocks, block_size,
+        tables.shape[1], scale, threads, MIN_KEYS_PER_THREAD)
     return out if rc == 0 else None
 
 
-# Below this many keys a step's attention is too short to split: handing rows to another
-# thread costs tens of microseconds per layer.
-MIN_KEYS_PER_THREAD = 2048
-_pool: ThreadPoolExecutor | None = None
+# The most input rows the model sends to the skinny kernel: at 4 rows oneDNN's GEMM, which
+# reuses each weight tile across rows, was faster on the larger shapes (docs/performance.md).
+# The kernel itself takes up to 16.
+SKINNY_MAX_ROWS = 2
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, 1),
-                                   thread_name_prefix="inflight-attn")
-    return _pool
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  num_threads: int | None = None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for a few rows of ``x``, streaming ``weight`` once.
 
+    Args:
+        x: ``[M, K]`` float32 or bfloat16, CPU, ``1 <= M <= 16``.
+        weight: ``[N, K]`` (``nn.Linear``'s layout), x's dtype; bias: ``[N]`` or None.
+        num_threads: threads of PyTorch's pool (default ``torch.get_num_threads()``), each
+            over its own run of weight rows. Results do not depend on it.
 
-def attention_threads() -> int:
-    """Threads for decode attention: ``INFLIGHT_ATTENTION_THREADS``, else 1."""
-    env = os.environ.get("INFLIGHT_ATTENTION_THREADS", "").strip()
-    return max(int(env), 1) if env.isdigit() else 1
-
-
-def split_rows(seq_lens: Sequence[int], num_threads: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges ``[lo, hi)`` with about equal keys each (the kernel's work is
-    linear in them), at most ``num_threads``; one range when the work is too small to share
-    (under ``MIN_KEYS_PER_THREAD`` keys a thread)."""
-    b, total = len(seq_lens), sum(seq_lens)
-    n = min(num_threads, b, total // MIN_KEYS_PER_THREAD)
-    if n <= 1:
-        return [(0, b)]
-    cum = list(itertools.accumulate(seq_lens))
-    # Each cut follows the row whose keys reach the next multiple of total / n.
-    bounds = [0] + [min(bisect.bisect_left(cum, i * total / n) + 1, b) for i in range(1, n)] + [b]
-    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    Returns:
+        ``[M, N]`` in x's dtype (float32 accumulation, one rounding), or None when the
+        kernel cannot run these inputs (then the caller uses PyTorch).
+    """
+    lib = native_library()
+    if (lib is None or x.device.type != "cpu" or x.dim() != 2
+            or not 1 <= x.shape[0] <= 16
+            or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype
+            or not weight.is_contiguous() or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    rc = lib.skinny_linear(int(x.dtype == torch.bfloat16), x.data_ptr(), weight.data_ptr(),
+                           None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                           torch.get_num_threads() if num_threads is None else num_threads)
+    return y if rc == 0 else None

@@ -11,14 +11,18 @@
  * value row is loaded once for its G queries. Softmax is exact (two passes over the keys:
  * scores, then the weighted sum of values), accumulated in float32.
  *
- * No OpenMP here on purpose: PyTorch's own pool spins between its kernels, and a second
- * pool here fought it for the two cores (steps several times slower, erratically). The
- * caller splits the rows (B) across plain threads instead; each call handles its rows.
+ * Threads: an OpenMP team splits the (sequence, kv head) pairs into contiguous runs of
+ * about equal keys. Loaded after PyTorch, this library binds to the libgomp PyTorch
+ * already loaded (same soname), so the team is PyTorch's own pool, whose workers spin
+ * right after each PyTorch op: no second pool fights it for the cores.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -144,39 +148,61 @@ typedef void (*head_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t 
                              const int64_t *, int64_t, int64_t, int64_t, int64_t, float,
                              float *, uint16_t *);
 
-/* Returns 0 on success, -1 on unsupported shapes (the caller falls back to PyTorch). */
+/* Returns 0 on success, -1 on unsupported shapes or no memory (the caller falls back to
+ * PyTorch). Up to num_threads threads, fewer so that each has at least min_keys keys (a
+ * fork costs microseconds; tiny batches run on the caller's thread). */
 int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
                            const int64_t *tables, const int64_t *seq_lens, void *out,
                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
-                           int64_t BS, int64_t M, float scale) {
+                           int64_t BS, int64_t M, float scale, int64_t num_threads,
+                           int64_t min_keys) {
     if (D > MAX_D || H % Hkv || H / Hkv > MAX_G) return -1;
-    int64_t G = H / Hkv, max_len = 0;
-    for (int64_t b = 0; b < B; b++) if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    int64_t G = H / Hkv, max_len = 1, total = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+        total += seq_lens[b];
+    }
     const int64_t head_elems = num_blocks * BS * D;      /* one KV head of K (or V) */
     const int64_t v_offset = Hkv * head_elems;
-    float *scores = malloc(sizeof(float) * (size_t)(G * (max_len > 0 ? max_len : 1)));
-    if (!scores) return -1;
     head_f32_fn hf32 = D == 64 ? head_f32_64 : D == 128 ? head_f32_128 : head_f32;
     head_bf16_fn hbf16 = D == 64 ? head_bf16_64 : D == 128 ? head_bf16_128 : head_bf16;
+    int64_t nt = min_keys > 0 ? total / min_keys : num_threads;
+    nt = nt < num_threads ? nt : num_threads;
+    nt = nt < B * Hkv ? nt : B * Hkv;
+    nt = nt > 1 ? nt : 1;
+    const int64_t work = total * Hkv;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
     {
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t h = 0; h < Hkv; h++) {
-                int64_t len = seq_lens[b];
-                int64_t qo = (b * H + h * G) * D;
-                if (is_bf16) {
-                    const uint16_t *kv = kv_cache;
-                    hbf16((const uint16_t *)q + qo, kv + h * head_elems,
-                              kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS,
-                              scale, scores, (uint16_t *)out + qo);
-                } else {
-                    const float *kv = kv_cache;
-                    hf32((const float *)q + qo, kv + h * head_elems,
-                             kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS,
-                             scale, scores, (float *)out + qo);
-                }
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int64_t t = 0, n = 1;
+#endif
+        float *scores = malloc(sizeof(float) * (size_t)(G * max_len));
+        if (!scores) failed = 1;
+        /* Pair i (sequence i / Hkv) belongs to the thread whose share of the keys holds the
+         * keys before it: contiguous runs, about work / n keys each. */
+        int64_t before = 0;
+        for (int64_t i = 0; scores && i < B * Hkv; i++) {
+            const int64_t b = i / Hkv, h = i % Hkv, len = seq_lens[b];
+            const int64_t owner = before * n / work;
+            before += len;
+            if (owner != t) continue;
+            const int64_t qo = (b * H + h * G) * D;
+            if (is_bf16) {
+                const uint16_t *kv = kv_cache;
+                hbf16((const uint16_t *)q + qo, kv + h * head_elems,
+                      kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS, scale,
+                      scores, (uint16_t *)out + qo);
+            } else {
+                const float *kv = kv_cache;
+                hf32((const float *)q + qo, kv + h * head_elems,
+                     kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS, scale,
+                     scores, (float *)out + qo);
             }
         }
+        free(scores);
     }
-    free(scores);
-    return 0;
+    return failed ? -1 : 0;
 }

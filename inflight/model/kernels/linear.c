@@ -1,0 +1,187 @@
+/* Skinny linear layer for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) for a few rows
+ * M, as in a decode step at small batch. There each weight is used M times per read, so the
+ * step is bound by streaming W from DRAM. oneDNN's GEMM, built for many rows, reached 12-20
+ * GB/s on the model's smaller weights (0.6-3.5 MB) where about 30 GB/s can be read
+ * (docs/performance.md). This walks W once, row by row, in the layout nn.Linear keeps it,
+ * every thread of PyTorch's OpenMP pool streaming its own contiguous run of rows (see
+ * paged_attention.c on why the pool is PyTorch's). Prefetches may run past the end of W:
+ * they are hints and never fault.
+ *
+ *   x  [M, K]   float32 or bfloat16 (uint16 bits), rows contiguous
+ *   W  [N, K]   same element type;  bias [N] or NULL
+ *   y  [M, N]   same element type; products accumulated in float32, one rounding at the end
+ *               (as oneDNN's bfloat16 GEMM does)
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MAX_M 16
+#define ROWS 4 /* weight rows per pass: independent accumulators hide the FMA latency */
+
+static inline float bf16_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Dot products of ROWS weight rows with each of the M input rows (xf: float32 copies), in
+ * plain C: the portable path, and the tail when N or K is not a multiple of the vector. */
+#define DEFINE_ROWS(NAME, T, LOAD)                                                           \
+static void NAME(const T *restrict w, const float *restrict xf, int64_t M, int64_t K,       \
+                 int64_t nr, float out[MAX_M][ROWS]) {                                      \
+    for (int64_t m = 0; m < M; m++)                                                         \
+        for (int64_t j = 0; j < nr; j++) {                                                  \
+            const T *restrict wj = w + j * K;                                               \
+            const float *restrict xm = xf + m * K;                                          \
+            float a = 0.f;                                                                  \
+            for (int64_t k = 0; k < K; k++) a += LOAD(wj[k]) * xm[k];                       \
+            out[m][j] = a;                                                                  \
+        }                                                                                   \
+}
+
+#define ID(x) (x)
+DEFINE_ROWS(rows_f32, float, ID)
+DEFINE_ROWS(rows_bf16, uint16_t, bf16_f32)
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* Prefetch the rows this many ahead (two passes), past where the hardware streamer reaches. */
+#define PF_ROWS 8
+/* ROWS weight rows at once, 16 float32 lanes per step: ROWS independent streams from DRAM
+ * and M * ROWS accumulators (at most 16 zmm registers at M = 4). K % 16 == 0. */
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#define DEFINE_AVX512(NAME, T, LOADV, MM)                                                    \
+static void NAME(const T *restrict w, const float *restrict xf, int64_t K,                   \
+                 float out[MAX_M][ROWS]) {                                                  \
+    __m512 acc[MM][ROWS];                                                                   \
+    for (int m = 0; m < MM; m++)                                                            \
+        for (int j = 0; j < ROWS; j++) acc[m][j] = _mm512_setzero_ps();                     \
+    for (int64_t k = 0; k < K; k += 16) {                                                   \
+        __m512 wv[ROWS];                                                                    \
+        for (int j = 0; j < ROWS; j++) {                                                    \
+            wv[j] = LOADV(w + j * K + k);                                                   \
+            _mm_prefetch((const char *)(w + (j + PF_ROWS) * K + k), _MM_HINT_T0);           \
+        }                                                                                   \
+        for (int m = 0; m < MM; m++) {                                                      \
+            const __m512 xv = _mm512_loadu_ps(xf + m * K + k);                              \
+            for (int j = 0; j < ROWS; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]); \
+        }                                                                                   \
+    }                                                                                       \
+    for (int m = 0; m < MM; m++)                                                            \
+        for (int j = 0; j < ROWS; j++) out[m][j] = _mm512_reduce_add_ps(acc[m][j]);         \
+}
+DEFINE_AVX512(avx_f32_1, float, load16_f32, 1)
+DEFINE_AVX512(avx_f32_2, float, load16_f32, 2)
+DEFINE_AVX512(avx_f32_3, float, load16_f32, 3)
+DEFINE_AVX512(avx_f32_4, float, load16_f32, 4)
+DEFINE_AVX512(avx_bf16_1, uint16_t, load16_bf16, 1)
+DEFINE_AVX512(avx_bf16_2, uint16_t, load16_bf16, 2)
+DEFINE_AVX512(avx_bf16_3, uint16_t, load16_bf16, 3)
+DEFINE_AVX512(avx_bf16_4, uint16_t, load16_bf16, 4)
+#ifdef __AVX512BF16__
+/* bfloat16 pairs straight into float32 sums (vdpbf16ps): 32 weights per instruction, no
+ * widening; the input stays bfloat16 (xb). K % 32 == 0. */
+#define DEFINE_DPBF16(NAME, MM)                                                              \
+static void NAME(const uint16_t *restrict w, const uint16_t *restrict xb, int64_t K,         \
+                 float out[MAX_M][ROWS]) {                                                  \
+    __m512 acc[MM][ROWS];                                                                   \
+    for (int m = 0; m < MM; m++)                                                            \
+        for (int j = 0; j < ROWS; j++) acc[m][j] = _mm512_setzero_ps();                     \
+    for (int64_t k = 0; k < K; k += 32) {                                                   \
+        __m512bh wv[ROWS];                                                                  \
+        for (int j = 0; j < ROWS; j++) {                                                    \
+            wv[j] = (__m512bh)_mm512_loadu_si512((const void *)(w + j * K + k));            \
+            _mm_prefetch((const char *)(w + (j + PF_ROWS) * K + k), _MM_HINT_T0);           \
+        }                                                                                   \
+        for (int m = 0; m < MM; m++) {                                                      \
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + m * K + k)); \
+            for (int j = 0; j < ROWS; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xv); \
+        }                                                                                   \
+    }                                                                                       \
+    for (int m = 0; m < MM; m++)                                                            \
+        for (int j = 0; j < ROWS; j++) out[m][j] = _mm512_reduce_add_ps(acc[m][j]);         \
+}
+DEFINE_DPBF16(dp_bf16_1, 1)
+DEFINE_DPBF16(dp_bf16_2, 2)
+DEFINE_DPBF16(dp_bf16_3, 3)
+DEFINE_DPBF16(dp_bf16_4, 4)
+typedef void (*dp_bf16_fn)(const uint16_t *, const uint16_t *, int64_t, float[MAX_M][ROWS]);
+static const dp_bf16_fn DP_BF16[5] = {0, dp_bf16_1, dp_bf16_2, dp_bf16_3, dp_bf16_4};
+#endif
+typedef void (*avx_f32_fn)(const float *, const float *, int64_t, float[MAX_M][ROWS]);
+typedef void (*avx_bf16_fn)(const uint16_t *, const float *, int64_t, float[MAX_M][ROWS]);
+static const avx_f32_fn AVX_F32[5] = {0, avx_f32_1, avx_f32_2, avx_f32_3, avx_f32_4};
+static const avx_bf16_fn AVX_BF16[5] = {0, avx_bf16_1, avx_bf16_2, avx_bf16_3, avx_bf16_4};
+#define AVX_MAX_M 4
+#endif
+
+/* Returns 0 on success, -1 on unsupported shapes or no memory (the caller uses PyTorch). */
+int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
+                  int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    if (M < 1 || M > MAX_M || N < 1 || K < 1) return -1;
+    float *xf = malloc(sizeof(float) * (size_t)(M * K));
+    if (!xf) return -1;
+    for (int64_t i = 0; i < M * K; i++)
+        xf[i] = is_bf16 ? bf16_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    const int64_t groups = (N + ROWS - 1) / ROWS;
+    int64_t nt = num_threads < groups ? num_threads : groups;
+    nt = nt > 1 ? nt : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int64_t t = 0, n = 1;
+#endif
+        /* Contiguous runs of whole groups: each thread streams its own part of W. */
+        const int64_t lo = groups * t / n * ROWS, hi_g = groups * (t + 1) / n * ROWS;
+        const int64_t hi = hi_g < N ? hi_g : N;
+        float acc[MAX_M][ROWS];
+        for (int64_t r = lo; r < hi; r += ROWS) {
+            const int64_t nr = hi - r < ROWS ? hi - r : ROWS;
+#ifdef __AVX512F__
+#ifdef __AVX512BF16__
+            if (nr == ROWS && M <= AVX_MAX_M && K % 32 == 0 && is_bf16)
+                DP_BF16[M]((const uint16_t *)w + r * K, (const uint16_t *)x, K, acc);
+            else
+#endif
+            if (nr == ROWS && M <= AVX_MAX_M && K % 16 == 0) {
+                if (is_bf16) AVX_BF16[M]((const uint16_t *)w + r * K, xf, K, acc);
+                else AVX_F32[M]((const float *)w + r * K, xf, K, acc);
+            } else
+#endif
+            if (is_bf16) rows_bf16((const uint16_t *)w + r * K, xf, M, K, nr, acc);
+            else rows_f32((const float *)w + r * K, xf, M, K, nr, acc);
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < nr; j++) {
+                    float v = acc[m][j];
+                    if (is_bf16) {
+                        if (bias) v += bf16_f32(((const uint16_t *)bias)[r + j]);
+                        ((uint16_t *)y)[m * N + r + j] = f32_bf16(v);
+                    } else {
+                        if (bias) v += ((const float *)bias)[r + j];
+                        ((float *)y)[m * N + r + j] = v;
+                    }
+                }
+        }
+    }
+    free(xf);
+    return 0;
+}
