@@ -20,7 +20,7 @@ from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.config import ModelConfig
-from inflight.model.kernels import SKINNY_MAX_ROWS, skinny_linear
+from inflight.model.kernels import SKINNY_MAX_ROWS, rms_norm, skinny_linear
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,6 +94,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, self.weight, self.eps)  # None off CPU or without the native kernels
+        if y is not None:
+            return y
         # HF's order: normalize in float32, cast back, then scale. One fused op where the
         # input is float32 already (the same arithmetic, without six dispatches).
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -51,3 +53,12 @@ def test_threads_give_identical_output(dtype, threads, monkeypatch):
     monkeypatch.setattr(kernels, "MIN_KEYS_PER_THREAD", 1)  # split even this small batch
     split = paged_decode_attention(q, cache, tables, lens, 0.125, num_threads=threads)
     assert torch.equal(split, whole)  # (sequence, head) pairs are independent: bit-identical
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_kernels_run_on_pytorchs_openmp_runtime():
+    # The kernels' threads must come from the OpenMP runtime PyTorch loaded: a second
+    # runtime would bring a second pool whose threads fight PyTorch's for the cores.
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes

@@ -28,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "linear.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "linear.c", "rms_norm.c")]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC"]
@@ -43,7 +43,7 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("no C compiler found: attention and linear layers use PyTorch alone")
         return None
-    src = b"".join(path.read_bytes() for path in _SOURCES)
+    src = b"".join(path.read_bytes() for path in [*_SOURCES, _SOURCES[0].with_name("bf16.h")])
     key = hashlib.sha256(src + " ".join(_CFLAGS).encode() + platform.machine().encode()
                          + platform.node().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("INFLIGHT_KERNEL_CACHE", Path.home() / ".cache/inflight/kernels"))
@@ -67,6 +67,10 @@ def _build() -> ctypes.CDLL | None:
     f = lib.skinny_linear
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    f = lib.rms_norm
+    f.restype = ctypes.c_int
+    f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                  + [ctypes.c_float, ctypes.c_int64])
     return lib
 
 
@@ -159,3 +163,27 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
                            torch.get_num_threads() if num_threads is None else num_threads)
     return y if rc == 0 else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             num_threads: int | None = None) -> torch.Tensor | None:
+    """RMSNorm with HF's rounding, one pass per row (``rms_norm.c``).
+
+    Args:
+        x: ``[T, D]`` float32 or bfloat16, CPU; weight: ``[D]``, x's dtype.
+        eps: added to the mean square. num_threads: as ``paged_decode_attention``.
+
+    Returns:
+        ``[T, D]`` in x's dtype: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``,
+        computed in float32; or None when the kernel cannot run these inputs.
+    """
+    lib = native_library()
+    if (lib is None or x.device.type != "cpu" or x.dim() != 2
+            or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype):
+        return None
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty_like(x)
+    lib.rms_norm(int(x.dtype == torch.bfloat16), x.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                 x.shape[0], x.shape[1], eps,
+                 torch.get_num_threads() if num_threads is None else num_threads)
+    return y

@@ -15,27 +15,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #define MAX_M 16
 #define ROWS 4 /* weight rows per pass: independent accumulators hide the FMA latency */
-
-static inline float bf16_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* Dot products of ROWS weight rows with each of the M input rows (xf: float32 copies), in
  * plain C: the portable path, and the tail when N or K is not a multiple of the vector. */
@@ -54,7 +41,7 @@ static void NAME(const T *restrict w, const float *restrict xf, int64_t M, int64
 
 #define ID(x) (x)
 DEFINE_ROWS(rows_f32, float, ID)
-DEFINE_ROWS(rows_bf16, uint16_t, bf16_f32)
+DEFINE_ROWS(rows_bf16, uint16_t, bf16_to_f32)
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -139,7 +126,7 @@ int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, v
     float *xf = malloc(sizeof(float) * (size_t)(M * K));
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++)
-        xf[i] = is_bf16 ? bf16_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        xf[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
     const int64_t groups = (N + ROWS - 1) / ROWS;
     int64_t nt = num_threads < groups ? num_threads : groups;
     nt = nt > 1 ? nt : 1;
@@ -173,8 +160,8 @@ int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, v
                 for (int64_t j = 0; j < nr; j++) {
                     float v = acc[m][j];
                     if (is_bf16) {
-                        if (bias) v += bf16_f32(((const uint16_t *)bias)[r + j]);
-                        ((uint16_t *)y)[m * N + r + j] = f32_bf16(v);
+                        if (bias) v += bf16_to_f32(((const uint16_t *)bias)[r + j]);
+                        ((uint16_t *)y)[m * N + r + j] = f32_to_bf16(v);
                     } else {
                         if (bias) v += ((const float *)bias)[r + j];
                         ((float *)y)[m * N + r + j] = v;

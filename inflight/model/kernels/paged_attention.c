@@ -20,24 +20,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* exp(x) for the softmax (x = score - max <= 0), in plain float arithmetic the compiler
  * vectorizes: a scalar libm expf call per score cost more than the dot products. Cody-Waite
@@ -206,3 +193,4 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
     }
     return failed ? -1 : 0;
 }
+
