@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from inflight.model.kernels import paged_decode_attention
+from inflight.model.kernels import (paged_decode_attention, paged_prefill_attention,
+                                   reshape_and_cache)
 from inflight.profiling import NULL_TIMER, StepTimer
 
 
@@ -69,6 +70,8 @@ class AttentionMetadata:
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+    if reshape_and_cache(k, v, kv_cache, slot_mapping):  # native, on CPU
+        return
     _, h, num_blocks, block_size, d = kv_cache.shape
     flat = kv_cache.view(2, h, num_blocks * block_size, d)
     flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
@@ -140,6 +143,9 @@ def decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    out = paged_prefill_attention(q, kv_cache, chunk.block_table, chunk.num_computed, scale)
+    if out is not None:  # the native kernel reads the cached blocks in place
+        return out
     t = q.shape[0]
     if chunk.num_computed == 0:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)

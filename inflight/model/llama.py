@@ -20,7 +20,7 @@ from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.config import ModelConfig
-from inflight.model.kernels import SKINNY_MAX_ROWS, rms_norm, skinny_linear
+from inflight.model.kernels import SKINNY_MAX_ROWS, rms_norm, silu_and_mul, skinny_linear
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,8 +150,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        h = silu_and_mul(gate_up)  # one native pass on CPU; None elsewhere
+        if h is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

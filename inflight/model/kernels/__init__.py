@@ -28,7 +28,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "linear.c", "rms_norm.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "linear.c", "rms_norm.c",
+                                                "activation.c")]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC"]
@@ -67,6 +68,18 @@ def _build() -> ctypes.CDLL | None:
     f = lib.skinny_linear
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    f = lib.paged_prefill_attention
+    f.restype = ctypes.c_int
+    f.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                  + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 5
+                  + [ctypes.c_float, ctypes.c_int64])
+    f = lib.reshape_and_cache
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
+    f = lib.silu_and_mul
+    f.restype = None
+    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
     f = lib.rms_norm
     f.restype = ctypes.c_int
     f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
@@ -125,6 +138,39 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         int(q.dtype == torch.bfloat16), q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), b, h, h_kv, d, num_blocks, block_size,
         tables.shape[1], scale, threads, MIN_KEYS_PER_THREAD)
+    return out if rc == 0 else None
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            num_computed: int, scale: float,
+                            num_threads: int | None = None) -> torch.Tensor | None:
+    """Causal attention of one sequence's prefill chunk over the paged cache, read in place
+    (``prefill_attention.c``; AVX-512, head size 64).
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` (tokens may be strided; heads and dims contiguous),
+            float32 or bfloat16, CPU. Token ``i`` sits at position ``num_computed + i``.
+        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, q's dtype, holding
+            the sequence's keys/values for positions ``0 .. num_computed + T - 1``.
+        block_table: int64 block ids covering those positions.
+        scale: softmax scale. num_threads: as ``paged_decode_attention``.
+
+    Returns:
+        ``[T, num_heads, head_dim]`` in q's dtype, or None where the kernel does not apply
+        (then the caller uses PyTorch's SDPA).
+    """
+    lib = native_library()
+    if (lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
+            or kv_cache.dtype != q.dtype or q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+        return None
+    table = block_table.contiguous()
+    t, h, d = q.shape
+    _, h_kv, num_blocks, block_size, _ = kv_cache.shape
+    out = torch.empty(t, h, d, dtype=q.dtype)
+    rc = lib.paged_prefill_attention(
+        int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), kv_cache.data_ptr(),
+        table.data_ptr(), num_computed, t, out.data_ptr(), h, h_kv, d, num_blocks, block_size,
+        scale, torch.get_num_threads() if num_threads is None else num_threads)
     return out if rc == 0 else None
 
 
@@ -187,3 +233,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  x.shape[0], x.shape[1], eps,
                  torch.get_num_threads() if num_threads is None else num_threads)
     return y
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> bool:
+    """Store new keys/values at their cache slots in place (vLLM's ``reshape_and_cache``).
+
+    Args:
+        k, v: ``[T, num_kv_heads, head_dim]``, tokens may be strided (heads and dims
+            contiguous), the cache's dtype, CPU.
+        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, contiguous.
+        slot_mapping: ``[T]`` int64 slots (``block * block_size + offset``), each valid.
+
+    Returns:
+        True when stored; False where the kernel does not apply (the caller stores them).
+
+    Raises:
+        IndexError: a slot outside the cache (nothing is stored).
+    """
+    lib = native_library()
+    if (lib is None or k.device.type != "cpu" or k.dtype != kv_cache.dtype
+            or v.dtype != kv_cache.dtype or not kv_cache.is_contiguous()
+            or k.stride(2) != 1 or k.stride(1) != k.shape[2]
+            or v.stride(2) != 1 or v.stride(1) != v.shape[2]):
+        return False
+    slots = slot_mapping.contiguous()
+    _, h_kv, num_blocks, block_size, d = kv_cache.shape
+    rc = lib.reshape_and_cache(kv_cache.element_size(), k.data_ptr(), k.stride(0), v.data_ptr(),
+                               v.stride(0), kv_cache.data_ptr(), slots.data_ptr(), k.shape[0],
+                               h_kv, d, num_blocks, block_size)
+    if rc != 0:
+        raise IndexError(f"a KV slot lies outside the cache of {num_blocks * block_size} slots")
+    return True
+
+
+def silu_and_mul(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``x = [gate | up]`` in one pass (vLLM's ``silu_and_mul``).
+
+    Args:
+        x: ``[T, 2 * I]`` float32 or bfloat16, CPU. num_threads: as ``paged_decode_attention``.
+
+    Returns:
+        ``[T, I]`` in x's dtype (bfloat16 rounded as HF: after the SiLU, then the product),
+        or None where the kernel does not apply.
+    """
+    lib = native_library()
+    if (lib is None or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] % 2
+            or x.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    lib.silu_and_mul(int(x.dtype == torch.bfloat16), x.data_ptr(), out.data_ptr(), x.shape[0],
+                     x.shape[1] // 2, torch.get_num_threads() if num_threads is None else num_threads)
+    return out

@@ -194,3 +194,25 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
     return failed ? -1 : 0;
 }
 
+
+/* Store a step's new keys and values at their cache slots (vLLM's reshape_and_cache):
+ *   k, v     [T, Hkv, D], k_stride / v_stride elements between tokens, heads contiguous
+ *   slots    [T] int64: token t goes to block slots[t] / BS, offset slots[t] % BS
+ * in kv_cache's element type (esz bytes). PyTorch's index_copy_ along the cache's token
+ * dimension took up to a millisecond a layer for this. Returns -1, storing nothing, if a
+ * slot lies outside the cache. */
+int reshape_and_cache(int64_t esz, const void *k, int64_t k_stride, const void *v,
+                       int64_t v_stride, void *kv_cache, const int64_t *slots, int64_t T,
+                       int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS) {
+    const int64_t head = num_blocks * BS * D;  /* elements of one KV head of K (or V) */
+    char *kc = kv_cache, *vc = (char *)kv_cache + Hkv * head * esz;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_blocks * BS) return -1;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t dst = (h * head + slots[t] * D) * esz;
+            memcpy(kc + dst, (const char *)k + (t * k_stride + h * D) * esz, (size_t)(D * esz));
+            memcpy(vc + dst, (const char *)v + (t * v_stride + h * D) * esz, (size_t)(D * esz));
+        }
+    return 0;
+}
