@@ -9,6 +9,8 @@ mantissa bits, and HF and we round activations at slightly different points).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -52,6 +54,16 @@ class RecordingRunner(ModelRunner):
         return self.sampler.sample(logits, requests) if requests else []
 
 
+@pytest.fixture(autouse=True, params=["native", "pytorch"])
+def kernels(request, monkeypatch):
+    """Every comparison runs twice: with the native CPU kernels, and on PyTorch's kernels
+    alone (the path CUDA and compiler-less machines take)."""
+    if request.param == "pytorch":
+        import inflight.model.kernels as native
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setattr(native, "_tried", True)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny_model(request, tmp_path_factory):
     torch.manual_seed(0)
@@ -93,7 +105,7 @@ def test_prefill_then_decode_logits_match_hf(tiny_model, dtype, tol, backend, mo
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 13, 22)]
     # Budget 8: the 22-token prompt runs in chunks while the others decode beside it.
     logits, seqs = _run_engine(path, dtype, prompts, max_tokens=12, max_num_batched_tokens=8)
-    hf = hf.to(dtype)
+    hf = copy.deepcopy(hf).to(dtype)  # the module's model stays float32 for later tests
     for rid, seq in seqs.items():
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0].float()
@@ -102,7 +114,6 @@ def test_prefill_then_decode_logits_match_hf(tiny_model, dtype, tol, backend, mo
         for pos in positions:
             atol = tol if dtype == torch.float32 else tol * ref[pos].abs().max().item()
             torch.testing.assert_close(logits[(rid, pos)], ref[pos], atol=atol, rtol=0)
-    hf.float()
 
 
 def test_preempted_request_recomputes_to_the_same_logits(tiny_model):

@@ -1,9 +1,16 @@
 """Native CPU kernels, compiled on first use with the system C compiler and loaded with
-ctypes (no torch headers, so a build takes about a second). Anything missing (no compiler,
-a failed build, an unsupported shape) falls back to the PyTorch path, logged once.
+ctypes (no torch headers). Anything missing (no compiler, a failed build, an unsupported
+shape) falls back to the PyTorch path, logged once.
 
-``INFLIGHT_ATTENTION_BACKEND=torch`` forces the fallback; ``INFLIGHT_KERNEL_CACHE`` sets
-where built libraries go (default ``~/.cache/inflight/kernels``).
+- ``paged_attention.c``: decode attention over the paged cache; ``reshape_and_cache``.
+- ``prefill_attention.c``: prefill chunks over the paged cache (AVX-512, head size 64).
+- ``linear.c``: the skinny linear layer for decode at batch 1-2.
+- ``rms_norm.c``, ``activation.c``: RMSNorm and ``silu_and_mul`` in one pass.
+
+``INFLIGHT_NATIVE_KERNELS=0`` turns them all off (the older ``INFLIGHT_ATTENTION_BACKEND=torch``
+too); ``INFLIGHT_KERNEL_CACHE`` sets where built libraries go (default
+``~/.cache/inflight/kernels``). A cold build compiles the files in parallel, once per machine
+and source version.
 
 Threads: the kernels are built with OpenMP and loaded after PyTorch, so they link to the
 libgomp PyTorch already loaded and run on PyTorch's own thread pool, as many threads as
@@ -28,62 +35,74 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "linear.c", "rms_norm.c",
-                                                "activation.c")]
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / n for n in ("paged_attention.c", "prefill_attention.c", "linear.c",
+                               "rms_norm.c", "activation.c")]
+_HEADERS = [_DIR / "bf16.h"]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-           "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC"]
+           "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-fPIC"]
+# Exported functions: return type and argument types, one letter each (i int, l int64_t,
+# f float, p pointer, v void).
+_SIGNATURES = {
+    "paged_decode_attention": "i:ippppplllllllfll",
+    "reshape_and_cache": "i:lplplpplllll",
+    "paged_prefill_attention": "i:iplppllplllllfl",
+    "skinny_linear": "i:ippppllll",
+    "rms_norm": "i:ipppllfl",
+    "silu_and_mul": "v:ipplll",
+}
+_CTYPES = {"i": ctypes.c_int, "l": ctypes.c_int64, "f": ctypes.c_float, "p": ctypes.c_void_p,
+           "v": None}
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 
+def _compile(cc: str, lib_path: Path) -> str | None:
+    """Build ``lib_path``: every source compiled at once, then linked. None, or the error."""
+    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+        objects = [Path(tmp) / (src.stem + ".o") for src in _SOURCES]
+        jobs = [subprocess.Popen([cc, *_CFLAGS, "-c", str(src), "-o", str(obj)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for src, obj in zip(_SOURCES, objects)]
+        errors = [job.communicate(timeout=120)[1] for job in jobs if job.wait(timeout=120)]
+        if errors:
+            return "\n".join(errors)
+        tmp_lib = Path(tmp) / lib_path.name
+        link = subprocess.run([cc, "-shared", "-fopenmp", *map(str, objects), "-o", str(tmp_lib)],
+                              capture_output=True, text=True, timeout=120)
+        if link.returncode != 0:
+            return link.stderr
+        os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a file
+    return None
+
+
 def _build() -> ctypes.CDLL | None:
-    if os.environ.get("INFLIGHT_ATTENTION_BACKEND", "").lower() == "torch":
+    if (os.environ.get("INFLIGHT_NATIVE_KERNELS", "1") == "0"
+            or os.environ.get("INFLIGHT_ATTENTION_BACKEND", "").lower() == "torch"):
         return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        logger.warning("no C compiler found: attention and linear layers use PyTorch alone")
+        logger.warning("no C compiler found: the model runs on PyTorch's kernels alone")
         return None
-    src = b"".join(path.read_bytes() for path in [*_SOURCES, _SOURCES[0].with_name("bf16.h")])
+    src = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     key = hashlib.sha256(src + " ".join(_CFLAGS).encode() + platform.machine().encode()
                          + platform.node().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("INFLIGHT_KERNEL_CACHE", Path.home() / ".cache/inflight/kernels"))
     lib_path = cache / f"inflight-kernels-{key}.so"
     if not lib_path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            tmp_lib = Path(tmp) / lib_path.name
-            result = subprocess.run([cc, *_CFLAGS, *map(str, _SOURCES), "-o", str(tmp_lib)],
-                                    capture_output=True, text=True, timeout=120)
-            if result.returncode != 0:
-                logger.warning("building the native kernels failed; using PyTorch alone:\n%s",
-                               result.stderr[-2000:])
-                return None
-            os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a file
+        error = _compile(cc, lib_path)
+        if error is not None:
+            logger.warning("building the native kernels failed; using PyTorch alone:\n%s",
+                           error[-2000:])
+            return None
     lib = ctypes.CDLL(str(lib_path))
-    f = lib.paged_decode_attention
-    f.restype = ctypes.c_int
-    f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7
-                  + [ctypes.c_float] + [ctypes.c_int64] * 2)
-    f = lib.skinny_linear
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-    f = lib.paged_prefill_attention
-    f.restype = ctypes.c_int
-    f.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-                  + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 5
-                  + [ctypes.c_float, ctypes.c_int64])
-    f = lib.reshape_and_cache
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                  ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
-    f = lib.silu_and_mul
-    f.restype = None
-    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
-    f = lib.rms_norm
-    f.restype = ctypes.c_int
-    f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-                  + [ctypes.c_float, ctypes.c_int64])
+    for name, signature in _SIGNATURES.items():
+        ret, args = signature.split(":")
+        f = getattr(lib, name)
+        f.restype = _CTYPES[ret]
+        f.argtypes = [_CTYPES[c] for c in args]
     return lib
 
 
