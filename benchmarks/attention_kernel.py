@@ -16,20 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
+from inflight.bench.timing import seconds_per_call
 from inflight.model.kernels import native_library, paged_decode_attention
-
-
-def per_call(fn, seconds: float = 0.5) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
 
 
 def main() -> None:
@@ -63,7 +54,7 @@ def main() -> None:
                         if after_matmul:
                             x @ w
                         paged_decode_attention(q, cache, tables, lens, d ** -0.5, threads)
-                    t = per_call(call)
+                    t = seconds_per_call(call)
                     best[threads] = min(best.get(threads, t), t)
             extra = " after a matmul (matmul time included)" if after_matmul else ""
             print(f"blocks {layout:9s}{extra}: 1 thread {1e3 * best[1]:.2f} ms, "

@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
+from inflight.bench.timing import seconds_per_call
 from inflight.model.kernels import paged_prefill_attention
-
-
-def per_call(fn, seconds: float = 0.4) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
 
 
 def main() -> None:
@@ -62,8 +53,8 @@ def main() -> None:
                 return paged_prefill_attention(q, cache, table, cached, 0.125)
             if kernel() is None:
                 raise SystemExit("the prefill kernel does not apply here (needs AVX-512)")
-            a = min(per_call(sdpa) for _ in range(args.repeats))
-            b = min(per_call(kernel) for _ in range(args.repeats))
+            a = min(seconds_per_call(sdpa) for _ in range(args.repeats))
+            b = min(seconds_per_call(kernel) for _ in range(args.repeats))
             print(f"{name:8s} T={t:4d} after {cached:4d} cached: SDPA {1e3 * a:6.2f} ms, "
                   f"kernel {1e3 * b:6.2f} ms ({a / b:.2f}x)", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -20,19 +20,11 @@ import time
 import torch
 
 import inflight.model.llama as llama
+from inflight.bench.timing import seconds_per_call
 from inflight.model.kernels import SKINNY_MAX_ROWS, native_library, skinny_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
-
-
-def per_call(fn, seconds: float = 0.4) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
 
 
 def shapes(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
@@ -50,8 +42,8 @@ def shapes(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
             onednn = lambda: layers[next(turn) % len(layers)](x)  # noqa: E731 (prepacked path)
             ours = lambda: skinny_linear(x, layers[next(turn) % len(layers)].weight)  # noqa: E731
             with kernel_off():
-                best_a = min(per_call(onednn) for _ in range(repeats))
-            best_b = min(per_call(ours) for _ in range(repeats))
+                best_a = min(seconds_per_call(onednn) for _ in range(repeats))
+            best_b = min(seconds_per_call(ours) for _ in range(repeats))
             print(f"  {name:8s} M={m}: oneDNN {1e6 * best_a:7.1f} us ({nbytes / best_a / 1e9:5.1f} "
                   f"GB/s), skinny {1e6 * best_b:7.1f} us ({nbytes / best_b / 1e9:5.1f} GB/s)",
                   flush=True)

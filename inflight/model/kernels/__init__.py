@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("paged_attention.c", "prefill_attention.c", "linear.c",
                                "rms_norm.c", "activation.c")]
-_HEADERS = [_DIR / "bf16.h"]
+_HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h"]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-fPIC"]

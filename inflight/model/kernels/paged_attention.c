@@ -22,31 +22,10 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-/* exp(x) for the softmax (x = score - max <= 0), in plain float arithmetic the compiler
- * vectorizes: a scalar libm expf call per score cost more than the dot products. Cody-Waite
- * range reduction and Cephes' expf polynomial (Moshier, "Methods and Programs for
- * Mathematical Functions", 1989): within 2 ulp of expf for x in [-87, 0]; below -87
- * (weights under 1e-38 beside the max's 1) it returns exp(-87). */
-static inline float softmax_exp(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float e = p * r * r + r + 1.f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, 4);
-    return e * two_n;
-}
 
 /* Blocks sit anywhere in the pool: while one block's rows are used, fetch the next block's
  * same row, so the jump to a new page does not stall on DRAM latency. */
@@ -98,7 +77,7 @@ static void NAME(const T *q, const T *k_base, const T *v_base, const int64_t *ta
     for (int64_t g = 0; g < G; g++) {                                                      \
         float sum = 0.f, *sg = scores + g * len;                                           \
         for (int64_t t = 0; t < len; t++) {                                                \
-            sg[t] = softmax_exp(sg[t] - mx[g]);                                            \
+            sg[t] = fast_expf(sg[t] - mx[g]);                                              \
             sum += sg[t];                                                                  \
         }                                                                                  \
         denom[g] = 1.f / sum;                                                              \

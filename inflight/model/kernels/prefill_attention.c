@@ -33,8 +33,8 @@
 #define MAX_G 16
 #define MAX_ROWS (QT * MAX_G)
 
-/* exp(x) on 16 lanes, x <= 0: Cody-Waite reduction and Cephes' polynomial as softmax_exp in
- * paged_attention.c, with scalef for the 2^n; below -87 it gives exp(-87). */
+/* exp(x) on 16 lanes, x <= 0: fast_exp.h's reduction and polynomial in AVX-512, with scalef
+ * for the 2^n; below -87 it gives exp(-87). */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
