@@ -116,8 +116,8 @@ class ModelRunner:
             width = max(len(s.block_table) for s in decodes)
             tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-            lens = [s.num_computed_tokens + 1 for s in decodes]
-            meta.decode_seq_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+            meta.decode_seq_lens = torch.tensor(
+                [s.num_computed_tokens + 1 for s in decodes], dtype=torch.long, device=dev)
         row = len(decodes)
         for s in prefills:
             n = s.num_scheduled_tokens

@@ -48,6 +48,7 @@ _SIGNATURES = {
     "paged_decode_attention": "i:ippppplllllllfll",
     "reshape_and_cache": "i:lplplpplllll",
     "paged_prefill_attention": "i:iplppllplllllfl",
+    "paged_prefill_head_dim": "l:",
     "skinny_linear": "i:ippppllll",
     "rms_norm": "i:ipppllfl",
     "silu_and_mul": "v:ipplll",
@@ -103,6 +104,8 @@ def _build() -> ctypes.CDLL | None:
         f = getattr(lib, name)
         f.restype = _CTYPES[ret]
         f.argtypes = [_CTYPES[c] for c in args]
+    # Asked once: the head size the prefill kernel was built for (0: not built, no AVX-512).
+    lib.prefill_head_dim = lib.paged_prefill_head_dim()
     return lib
 
 
@@ -117,6 +120,21 @@ def native_library() -> ctypes.CDLL | None:
             logger.exception("loading the native kernels failed; using PyTorch alone")
             _lib = None
     return _lib
+
+
+def _native_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library, if the kernels can take these tensors: all on CPU, all float32 or all
+    bfloat16; else None (the caller runs PyTorch)."""
+    lib = native_library()
+    dtype = tensors[0].dtype
+    if lib is None or dtype not in (torch.float32, torch.bfloat16) or any(
+            t.device.type != "cpu" or t.dtype != dtype for t in tensors):
+        return None
+    return lib
+
+
+def _threads(num_threads: int | None) -> int:
+    return torch.get_num_threads() if num_threads is None else num_threads
 
 
 # Below this many keys a thread, decode attention stays on the calling thread: starting the
@@ -142,9 +160,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         ``[B, num_heads, head_dim]`` in q's dtype, or None when the kernel cannot run these
         inputs (then the caller uses the PyTorch path).
     """
-    lib = native_library()
-    if (lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
-            or kv_cache.dtype != q.dtype):
+    lib = _native_for(q, kv_cache)
+    if lib is None:
         return None
     q = q.contiguous()
     tables = block_tables.contiguous()
@@ -152,11 +169,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     out = torch.empty_like(q)
     b, h, d = q.shape
     _, h_kv, num_blocks, block_size, _ = kv_cache.shape
-    threads = torch.get_num_threads() if num_threads is None else num_threads
     rc = lib.paged_decode_attention(
         int(q.dtype == torch.bfloat16), q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), b, h, h_kv, d, num_blocks, block_size,
-        tables.shape[1], scale, threads, MIN_KEYS_PER_THREAD)
+        tables.shape[1], scale, _threads(num_threads), MIN_KEYS_PER_THREAD)
     return out if rc == 0 else None
 
 
@@ -176,11 +192,11 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype, or None where the kernel does not apply
-        (then the caller uses PyTorch's SDPA).
+        (another head size, no AVX-512: then the caller uses PyTorch's SDPA).
     """
-    lib = native_library()
-    if (lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
-            or kv_cache.dtype != q.dtype or q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+    lib = _native_for(q, kv_cache)
+    if (lib is None or q.shape[2] != lib.prefill_head_dim or q.stride(2) != 1
+            or q.stride(1) != q.shape[2]):
         return None
     table = block_table.contiguous()
     t, h, d = q.shape
@@ -189,7 +205,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     rc = lib.paged_prefill_attention(
         int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), kv_cache.data_ptr(),
         table.data_ptr(), num_computed, t, out.data_ptr(), h, h_kv, d, num_blocks, block_size,
-        scale, torch.get_num_threads() if num_threads is None else num_threads)
+        scale, _threads(num_threads))
     return out if rc == 0 else None
 
 
@@ -213,11 +229,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ``[M, N]`` in x's dtype (float32 accumulation, one rounding), or None when the
         kernel cannot run these inputs (then the caller uses PyTorch).
     """
-    lib = native_library()
-    if (lib is None or x.device.type != "cpu" or x.dim() != 2
-            or not 1 <= x.shape[0] <= 16
-            or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype
-            or not weight.is_contiguous() or (bias is not None and bias.dtype != x.dtype)):
+    lib = _native_for(x, weight, *([] if bias is None else [bias]))
+    if lib is None or x.dim() != 2 or not 1 <= x.shape[0] <= 16 or not weight.is_contiguous():
         return None
     x = x.contiguous()
     if bias is not None:
@@ -226,7 +239,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(m, n, dtype=x.dtype)
     rc = lib.skinny_linear(int(x.dtype == torch.bfloat16), x.data_ptr(), weight.data_ptr(),
                            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                           torch.get_num_threads() if num_threads is None else num_threads)
+                           _threads(num_threads))
     return y if rc == 0 else None
 
 
@@ -242,15 +255,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         ``[T, D]`` in x's dtype: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``,
         computed in float32; or None when the kernel cannot run these inputs.
     """
-    lib = native_library()
-    if (lib is None or x.device.type != "cpu" or x.dim() != 2
-            or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype):
+    lib = _native_for(x, weight)
+    if lib is None or x.dim() != 2:
         return None
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty_like(x)
     lib.rms_norm(int(x.dtype == torch.bfloat16), x.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                 x.shape[0], x.shape[1], eps,
-                 torch.get_num_threads() if num_threads is None else num_threads)
+                 x.shape[0], x.shape[1], eps, _threads(num_threads))
     return y
 
 
@@ -260,7 +271,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 
     Args:
         k, v: ``[T, num_kv_heads, head_dim]``, tokens may be strided (heads and dims
-            contiguous), the cache's dtype, CPU.
+            contiguous), the cache's dtype (float32 or bfloat16), CPU.
         kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, contiguous.
         slot_mapping: ``[T]`` int64 slots (``block * block_size + offset``), each valid.
 
@@ -270,10 +281,8 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     Raises:
         IndexError: a slot outside the cache (nothing is stored).
     """
-    lib = native_library()
-    if (lib is None or k.device.type != "cpu" or k.dtype != kv_cache.dtype
-            or v.dtype != kv_cache.dtype or not kv_cache.is_contiguous()
-            or k.stride(2) != 1 or k.stride(1) != k.shape[2]
+    lib = _native_for(kv_cache, k, v)
+    if (lib is None or not kv_cache.is_contiguous() or k.stride(2) != 1 or k.stride(1) != k.shape[2]
             or v.stride(2) != 1 or v.stride(1) != v.shape[2]):
         return False
     slots = slot_mapping.contiguous()
@@ -296,12 +305,11 @@ def silu_and_mul(x: torch.Tensor, num_threads: int | None = None) -> torch.Tenso
         ``[T, I]`` in x's dtype (bfloat16 rounded as HF: after the SiLU, then the product),
         or None where the kernel does not apply.
     """
-    lib = native_library()
-    if (lib is None or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] % 2
-            or x.dtype not in (torch.float32, torch.bfloat16)):
+    lib = _native_for(x)
+    if lib is None or x.dim() != 2 or x.shape[1] % 2:
         return None
     x = x.contiguous()
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
     lib.silu_and_mul(int(x.dtype == torch.bfloat16), x.data_ptr(), out.data_ptr(), x.shape[0],
-                     x.shape[1] // 2, torch.get_num_threads() if num_threads is None else num_threads)
+                     x.shape[1] // 2, _threads(num_threads))
     return out

@@ -192,7 +192,11 @@ int paged_prefill_attention(int is_bf16, const void *q, int64_t q_stride, const 
     return failed ? -1 : 0;
 }
 
+int64_t paged_prefill_head_dim(void) { return D; }
+
 #else  /* no AVX-512: the caller uses PyTorch */
+int64_t paged_prefill_head_dim(void) { return 0; }
+
 int paged_prefill_attention(int is_bf16, const void *q, int64_t q_stride, const void *kv_cache,
                             const int64_t *table, int64_t num_computed, int64_t T, void *out,
                             int64_t H, int64_t Hkv, int64_t head_dim, int64_t num_blocks,
