@@ -22,18 +22,12 @@ import time
 
 import torch
 
+from inflight.bench.timing import seconds_per_call
+
 
 def _bench(fn, min_time: float = 0.5) -> float:
-    """Seconds per call, best of repeated timings of at least ``min_time`` seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < min_time / 3:
-            fn()
-            n += 1
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best
+    """Seconds per call, best of three timings of at least ``min_time / 3`` seconds each."""
+    return min(seconds_per_call(fn, min_time / 3) for _ in range(3))
 
 
 def matmul_gflops(m: int, n: int, k: int, dtype: torch.dtype) -> float:

@@ -38,7 +38,7 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from policies import machine_state, run_command  # noqa: E402  (sibling benchmark script)
+from policies import _f, machine_state, run_command  # noqa: E402  (sibling benchmark script)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "docs" / "results" / "slo_overload"
@@ -169,19 +169,16 @@ def report(args, out: pathlib.Path) -> str:
                                                       timespec="seconds")}, indent=2))
     n = args.num_prompts
 
-    def f(v, d=2):
-        return "-" if v is None else f"{v:.{d}f}"
-
     lines = [f"fcfs capacity at the SLO: {capacity:g} req/s. {n} measured requests per point; "
              f"means over runs.", "",
              "| config | load | offered req/s | goodput req/s (runs) | completed | shed | "
              "met SLO | TTFT p50 s | TTFT p95 s | ITL p95 s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['load']:g}x | {f(r['offered_rate'])} | {f(r['goodput'])} "
-                     f"({', '.join(f(g) for g in r['goodput_runs'])}) | {f(r['completed'], 0)}/{n} | "
-                     f"{f(r['shed'], 0)} | {f(r['good'], 0)} | {f(r['ttft_p50'])} | "
-                     f"{f(r['ttft_p95'])} | {f(r['itl_p95'])} |")
+        lines.append(f"| {r['config']} | {r['load']:g}x | {_f(r['offered_rate'])} | {_f(r['goodput'])} "
+                     f"({', '.join(_f(g) for g in r['goodput_runs'])}) | {_f(r['completed'], 0)}/{n} | "
+                     f"{_f(r['shed'], 0)} | {_f(r['good'], 0)} | {_f(r['ttft_p50'])} | "
+                     f"{_f(r['ttft_p95'])} | {_f(r['itl_p95'])} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     plot(rows, loads, capacity, out / "slo_overload.png", args)

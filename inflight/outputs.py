@@ -67,6 +67,7 @@ class RequestOutput:
         error: set when the request failed inside the engine (it is then finished).
         shed_reason: set when load shedding rejected the request before it started
             (``max_queue_time``, or a TTFT deadline it could not meet); finish reason abort.
+        abort_reason: set when the server aborted the request (shutdown), not its client.
         num_cached_tokens: prompt tokens served from the prefix cache.
     """
 
@@ -78,5 +79,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     shed_reason: str | None = None
+    abort_reason: str | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)

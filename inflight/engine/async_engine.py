@@ -204,6 +204,21 @@ class AsyncEngine:
                 logger.warning("engine thread did not stop within %.1f s", timeout)
 
     # --- requests (event-loop side) -------------------------------------------------------
+    def check_fits(self, num_seqs: int) -> None:
+        """Raise if ``num_seqs`` sequences (one request's ``n``, or a whole API call's prompts
+        x ``n``) could never be queued at once, so that no retry could help.
+
+        Raises:
+            RequestTooLargeError: ``num_seqs > max_num_seqs + max_num_waiting``.
+        """
+        if self.max_num_waiting is None:
+            return
+        capacity = self.engine.config.max_num_seqs + self.max_num_waiting
+        if num_seqs > capacity:
+            raise RequestTooLargeError(
+                f"n: {num_seqs} sequences can never be queued at once; this server runs at most "
+                f"max_num_seqs + max_num_waiting = {capacity}")
+
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams, *,
                     arrival_time: float | None = None, **scheduling) -> RequestStream:
@@ -230,10 +245,7 @@ class AsyncEngine:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
         n = sampling_params.n
-        capacity = self.engine.config.max_num_seqs + (self.max_num_waiting or 0)
-        if self.max_num_waiting is not None and n > capacity:
-            raise RequestTooLargeError(f"n: {n} sequences can never be queued at once; this server runs "
-                             f"at most max_num_seqs + max_num_waiting = {capacity}")
+        self.check_fits(n)
         stream = RequestStream(request_id, self, loop)
         with self._lock:
             if request_id in self._streams:
@@ -394,7 +406,7 @@ class AsyncEngine:
         with self._lock:
             ids = list(self._streams)
         for rid in ids:
-            self.engine.abort_request(rid)
+            self.engine.abort_request(rid, reason="the server is shutting down")
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -74,6 +74,7 @@ class _RequestGroup:
         self.seqs: list[_Sequence] = []
         self.error: str | None = None
         self.shed_reason: str | None = None
+        self.abort_reason: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -238,8 +239,13 @@ class Engine:
             self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
             stop=p.stop_strings, include_stop_str_in_output=p.include_stop_str_in_output)
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, reason: str | None = None) -> bool:
         """Abort a request and all its sequences; frees their KV blocks at once.
+
+        Args:
+            request_id: the id given to ``add_request``.
+            reason: why, when the server (not its client) aborts it; reported as the
+                output's ``abort_reason``.
 
         Returns:
             False when no unfinished request has that id. Otherwise the next ``step()``
@@ -250,6 +256,7 @@ class Engine:
             return False
         for seq in group.seqs:
             self._finish(seq.request, RequestStatus.FINISHED_ABORTED)
+        group.abort_reason = reason
         self._dirty[request_id] = group
         return True
 
@@ -405,5 +412,5 @@ class Engine:
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=metrics, error=group.error,
-                             shed_reason=group.shed_reason,
+                             shed_reason=group.shed_reason, abort_reason=group.abort_reason,
                              num_cached_tokens=first.num_cached_tokens)

@@ -151,6 +151,8 @@ class Generation:
     def start(self) -> None:
         """Queue every prompt; on overload nothing stays queued (503 + ``Retry-After``)."""
         try:
+            # The whole call at once: prompts x n sequences, before any of them is queued.
+            self.ctx.engine.check_fits(sum(p.n for p in self.params))
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
                 self.streams.append(self.ctx.engine.add_request(
                     f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time,
@@ -176,8 +178,9 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    async def first_delta(self) -> "Generation":
-        """Wait for the first delta and keep it for ``deltas()``; returns ``self``.
+    async def first_delta(self) -> bool:
+        """Wait for the first delta and keep it for ``deltas()``; returns True, which a
+        disconnect watcher's None is told apart from.
 
         A stream commits to HTTP 200 with its first byte; waiting for the first delta
         first lets a request the engine sheds or refuses before its first token get a
@@ -191,7 +194,7 @@ class Generation:
             self._first = await self._deltas.__anext__()
         except StopAsyncIteration:
             self._first = None
-        return self
+        return True
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(prompt_index, delta)`` as they come, all prompts interleaved.
@@ -237,12 +240,10 @@ def _checked(out: RequestOutput) -> RequestOutput:
         # Load shedding: the server chose not to serve it in time; the client may retry.
         raise OpenAIError(503, f"request shed: {out.shed_reason}", code="server_overloaded",
                           headers={"Retry-After": "1"})
-    if (out.finished and out.metrics is not None and out.metrics.first_token_time is None
-            and any(c.finish_reason == "abort" for c in out.outputs)):
-        # Aborted before its first token: only shutdown does that to a request whose
-        # client is still there (a client that left reads nothing), so say so with a status.
-        raise OpenAIError(503, "the request was aborted before its first token: the server "
-                          "is shutting down", code="server_unavailable")
+    if out.abort_reason and (out.metrics is None or out.metrics.first_token_time is None):
+        # The server aborted it before its first token: nothing was sent yet, so a status.
+        raise OpenAIError(503, f"the request was aborted before its first token: "
+                          f"{out.abort_reason}", code="server_unavailable")
     return out
 
 

@@ -342,6 +342,11 @@ def test_n_beyond_what_could_ever_queue_is_a_400_not_a_503(overload_server):
     ok = httpx.post(url + "/v1/completions", timeout=30,
                     json={"prompt": [1], "max_tokens": 2, "n": 2, "temperature": 1})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    # Three prompts of n=1 are three sequences too: the whole call is checked, not each prompt.
+    r = httpx.post(url + "/v1/completions", timeout=30,
+                   json={"prompt": [[1], [2], [3]], "max_tokens": 2})
+    assert r.status_code == 400 and "retry-after" not in r.headers
+    assert "n: 3 sequences" in r.json()["error"]["message"]
 
 
 def test_engine_failure_is_an_error_body_or_event(overload_server):
@@ -407,6 +412,7 @@ def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_abort(tokeni
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
         assert queued["status"] == 503
         assert queued["body"]["error"]["code"] == "server_unavailable"
+        assert "shutting down" in queued["body"]["error"]["message"]  # the abort's reason
         assert queued["plain"][0] == 503
         assert queued["plain"][1]["error"]["code"] == "server_unavailable"
     finally:
