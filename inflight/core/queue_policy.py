@@ -111,8 +111,10 @@ class SLOPolicy(FCFSPolicy):
         of it (preempted work first, then earlier deadlines) and its own prompt are
         prefilled. Each step gives prefill ``token_budget`` (ITL-capped) less one token per
         running request, and takes the step model's time for that many tokens. Free KV blocks and
-        ``max_num_seqs`` slots are assumed, so the estimate is optimistic: what it sheds is
-        late for certain (under the step model), and it sheds at arrival rather than once
+        ``max_num_seqs`` slots are assumed, so the estimate is optimistic about capacity:
+        what it sheds is late under the step model. It counts whole prompts, not
+        prefix-cache hits, so a prompt with a long cached prefix can be shed that would have
+        made it. It sheds at arrival rather than once
         the deadline has passed, so the client can retry elsewhere at once.
         """
         if not self.step_model.ready:
