@@ -53,12 +53,13 @@ def test_prefill_kernel_matches_sdpa(dtype, atol, t, num_computed, heads, kv_hea
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2, 5])
-def test_threads_give_identical_output(threads):
+def test_threads_give_identical_output(threads, dtype):
     g = torch.Generator().manual_seed(threads)
-    cache = torch.randn(2, 3, 20, 16, 64, generator=g)
+    cache = torch.randn(2, 3, 20, 16, 64, generator=g).to(dtype)
     table = torch.randperm(20, generator=g)
-    q = torch.randn(70, 9, 64, generator=g)
+    q = torch.randn(70, 9, 64, generator=g).to(dtype)
     one = paged_prefill_attention(q, cache, table, 100, 0.125, num_threads=1)
     assert torch.equal(paged_prefill_attention(q, cache, table, 100, 0.125, num_threads=threads), one)
 
