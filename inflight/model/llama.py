@@ -20,7 +20,8 @@ from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.config import ModelConfig
-from inflight.model.kernels import SKINNY_MAX_ROWS, rms_norm, silu_and_mul, skinny_linear
+from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
+                                    rms_norm, silu_and_mul, skinny_linear)
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = self.inv_freq.to(self.device)
+        self._decode_table = None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
@@ -245,6 +247,62 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    # Decode steps of 1-2 tokens run the whole stack in one native call (decode_layers.c),
+    # bit-identical to the modules; False forces the modules (tests compare the two).
+    fused_decode: bool = True
+    _decode_table: tuple[tuple[int, int], torch.Tensor | None] | None = None
+
+    def _decode_layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+        """The per-layer address table ``decode_layers`` takes, built once per KV cache
+        list; None where the modules would not run the native kernels the C path repeats
+        (weights not prepacked for the skinny kernel, another dtype, off CPU)."""
+        key = (id(kv_caches), kv_caches[0].data_ptr())
+        if self._decode_table is not None and self._decode_table[0] == key:
+            return self._decode_table[1]
+        table = None
+        linears = [m for layer in self.layers
+                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        tensors = [p for layer in self.layers for p in layer.parameters()] + list(kv_caches)
+        # Only qkv_proj may have a bias (the table's qkv_bias column); the others are built
+        # without one.
+        if (len(kv_caches) == len(self.layers) and all(m.packed is not None for m in linears)
+                and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
+                        for t in tensors)):
+            rows = []
+            for layer, kv in zip(self.layers, kv_caches):
+                attn, mlp = layer.self_attn, layer.mlp
+                bias = attn.qkv_proj.bias
+                rows.append([layer.input_layernorm.weight.data_ptr(),
+                             attn.qkv_proj.weight.data_ptr(),
+                             0 if bias is None else bias.data_ptr(),
+                             attn.o_proj.weight.data_ptr(),
+                             layer.post_attention_layernorm.weight.data_ptr(),
+                             mlp.gate_up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(),
+                             kv.data_ptr()])
+            table = torch.tensor(rows, dtype=torch.int64)
+            assert table.shape[1] == len(DECODE_LAYER_COLUMNS)
+        self._decode_table = (key, table)
+        return table
+
+    def _decode_in_one_call(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
+        n = x.shape[0]
+        if (not self.fused_decode or n > SKINNY_MAX_ROWS or meta.num_decodes != n
+                or meta.timer.enabled or x.device.type != "cpu"):
+            return False  # a timed step keeps the modules, so attention can be timed apart
+        table = self._decode_layer_table(kv_caches)
+        if table is None:
+            return False
+        c, attn, kv = self.config, self.layers[0].self_attn, kv_caches[0]
+        return decode_layers(
+            x, table, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, intermediate_size=c.intermediate_size,
+            eps=self.layers[0].input_layernorm.eps, cos=cos, sin=sin,
+            slot_mapping=meta.slot_mapping, block_tables=meta.decode_block_tables,
+            seq_lens=meta.decode_seq_lens, block_size=kv.shape[3], num_blocks=kv.shape[2],
+            scale=attn.scale)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -262,8 +320,9 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+        if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -6,6 +6,8 @@ shape) falls back to the PyTorch path, logged once.
 - ``prefill_attention.c``: prefill chunks over the paged cache (AVX-512, head size 64).
 - ``linear.c``: the skinny linear layer for decode at batch 1-2.
 - ``rms_norm.c``, ``activation.c``: RMSNorm and ``silu_and_mul`` in one pass.
+- ``decode_layers.c``: the decoder stack for a decode step of 1-2 tokens in one call, the
+  kernels above in the per-module path's order (bit-identical), without Python between them.
 
 ``INFLIGHT_NATIVE_KERNELS=0`` turns them all off (the older ``INFLIGHT_ATTENTION_BACKEND=torch``
 too); ``INFLIGHT_KERNEL_CACHE`` sets where built libraries go (default
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("paged_attention.c", "prefill_attention.c", "linear.c",
-                               "rms_norm.c", "activation.c")]
+                               "rms_norm.c", "activation.c", "decode_layers.c")]
 _HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h"]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
@@ -52,6 +54,7 @@ _SIGNATURES = {
     "skinny_linear": "i:ippppllll",
     "rms_norm": "i:ipppllfl",
     "silu_and_mul": "v:ipplll",
+    "decode_layers": "i:iplpllllllfpppplpllfll",
 }
 _CTYPES = {"i": ctypes.c_int, "l": ctypes.c_int64, "f": ctypes.c_float, "p": ctypes.c_void_p,
            "v": None}
@@ -313,3 +316,51 @@ def silu_and_mul(x: torch.Tensor, num_threads: int | None = None) -> torch.Tenso
     lib.silu_and_mul(int(x.dtype == torch.bfloat16), x.data_ptr(), out.data_ptr(), x.shape[0],
                      x.shape[1] // 2, _threads(num_threads))
     return out
+
+
+# Columns of decode_layers' per-layer pointer table (decode_layers.c's enum).
+DECODE_LAYER_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up",
+                        "down", "kv_cache")
+
+
+def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
+                  num_kv_heads: int, head_dim: int, intermediate_size: int, eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                  num_blocks: int, scale: float, num_threads: int | None = None) -> bool:
+    """Run every decoder layer over a decode step's 1-2 tokens in one native call
+    (``decode_layers.c``), updating ``x`` in place; bit-identical to the per-module path.
+
+    Args:
+        x: ``[M, hidden]`` float32 or bfloat16 on CPU, contiguous, ``M <= 16``: the
+            embeddings in, the last layer's output out.
+        layer_table: ``[num_layers, len(DECODE_LAYER_COLUMNS)]`` int64 addresses of each
+            layer's tensors (x's dtype, contiguous; ``qkv_bias`` 0 when there is none; the KV
+            cache ``[2, num_kv_heads, num_blocks, block_size, head_dim]``). The caller keeps
+            the tensors alive.
+        cos, sin: ``[M, 1, head_dim]`` contiguous, x's dtype.
+        slot_mapping ``[M]``, block_tables ``[M, width]``, seq_lens ``[M]``: int64, as for
+            ``reshape_and_cache`` and ``paged_decode_attention``.
+
+    Returns:
+        True when done; False when the kernels do not take these shapes or inputs (nothing
+        changed: the caller runs the modules).
+
+    Raises:
+        IndexError: a slot outside the cache. MemoryError: out of memory part way.
+    """
+    lib = _native_for(x, cos, sin)
+    if lib is None or not x.is_contiguous():
+        return False
+    tables = block_tables.contiguous()
+    rc = lib.decode_layers(
+        int(x.dtype == torch.bfloat16), x.data_ptr(), x.shape[0], layer_table.data_ptr(),
+        layer_table.shape[0], x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size,
+        eps, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), tables.data_ptr(),
+        tables.shape[1], seq_lens.data_ptr(), num_blocks, block_size, scale,
+        _threads(num_threads), MIN_KEYS_PER_THREAD)
+    if rc == -2:
+        raise IndexError(f"a KV slot lies outside the cache of {num_blocks * block_size} slots")
+    if rc == -3:
+        raise MemoryError("decode_layers: out of memory")
+    return rc == 0

@@ -1,0 +1,149 @@
+/* The whole decoder stack for a decode step of one or two tokens, in one call.
+ *
+ * At batch 1 a step reads every weight once (269 MB in bfloat16 for the bundled model), and
+ * the skinny kernel streams them near DRAM speed; what was left was the Python around them:
+ * about 30 module calls, 20 small tensor ops and 7 kernel calls per layer, some 5 ms a step
+ * against 9 ms of weight reads (docs/performance.md). This runs the same kernels, in the same
+ * order and with the same roundings, from C: the result is bit for bit the per-module path's
+ * (tests/model/test_decode_layers.py), so the model only chooses which of two equal paths runs.
+ *
+ * Per layer, as llama.py's DecoderLayer:
+ *   h = rms_norm(x); qkv = h @ Wqkv^T (+ b); RoPE on the Q and K heads; K, V into the cache;
+ *   x = x + o_proj(paged decode attention);
+ *   x = x + down(silu_and_mul(gate_up(rms_norm(x))))
+ * RoPE and the residual adds round as PyTorch's elementwise ops do (each op's result to the
+ * activation dtype): x * cos and rotate_half(x) * sin rounded, then their sum.
+ *
+ *   x           [M, hidden], float32 or bfloat16 (uint16 bits), updated in place
+ *   layers      [num_layers, LAYER_PTRS] int64 addresses (see the enum), weights in x's type,
+ *               nn.Linear's [out, in] layout; the KV cache as paged_attention.c's
+ *   cos, sin    [M, D] in x's type (the model's rope_cos_sin rows)
+ *   slots [M], tables [M, table_width], seq_lens [M]: int64, as paged_attention.c's
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
+                  int64_t M, int64_t N, int64_t K, int64_t num_threads);
+int rms_norm(int is_bf16, const void *x, const void *weight, void *y, int64_t T, int64_t D,
+             float eps, int64_t num_threads);
+void silu_and_mul(int is_bf16, const void *x, void *out, int64_t T, int64_t I,
+                  int64_t num_threads);
+int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
+                           const int64_t *tables, const int64_t *seq_lens, void *out,
+                           int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
+                           int64_t BS, int64_t M, float scale, int64_t num_threads,
+                           int64_t min_keys);
+int reshape_and_cache(int64_t esz, const void *k, int64_t k_stride, const void *v,
+                      int64_t v_stride, void *kv_cache, const int64_t *slots, int64_t T,
+                      int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS);
+
+/* Columns of `layers` (kept in step with llama.py's decode_layer_pointers). */
+enum { IN_NORM, QKV, QKV_BIAS, O_PROJ, POST_NORM, GATE_UP, DOWN, KV_CACHE, LAYER_PTRS };
+
+#define MAX_ROWS 16
+
+/* float32 products kept apart from the sum: with -ffp-contract the compiler would fuse
+ * x * c + r * s into one FMA, one rounding fewer than PyTorch's mul, mul, add. */
+static float mul_f32(float a, float b) {
+    volatile float p = a * b;
+    return p;
+}
+
+/* RoPE (Su et al., 2021) in HF's rotate_half form over n heads of size D, in place. */
+static void rope(int is_bf16, void *heads, int64_t n, int64_t D, const void *cos,
+                 const void *sin) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < n; h++) {
+        if (is_bf16) {
+            uint16_t *x = (uint16_t *)heads + h * D, r[256];
+            const uint16_t *c = cos, *s = sin;
+            for (int64_t d = 0; d < D; d++) {
+                const float rot = d < half ? -bf16_to_f32(x[d + half]) : bf16_to_f32(x[d - half]);
+                const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[d]) * bf16_to_f32(c[d])));
+                const float b = bf16_to_f32(f32_to_bf16(rot * bf16_to_f32(s[d])));
+                r[d] = f32_to_bf16(a + b);
+            }
+            memcpy(x, r, (size_t)D * 2);
+        } else {
+            float *x = (float *)heads + h * D, r[256];
+            const float *c = cos, *s = sin;
+            for (int64_t d = 0; d < D; d++) {
+                const float rot = d < half ? -x[d + half] : x[d - half];
+                r[d] = mul_f32(x[d], c[d]) + mul_f32(rot, s[d]);
+            }
+            memcpy(x, r, (size_t)D * 4);
+        }
+    }
+}
+
+static void add_in_place(int is_bf16, void *x, const void *y, int64_t n) {
+    if (is_bf16) {
+        uint16_t *a = x;
+        const uint16_t *b = y;
+        for (int64_t i = 0; i < n; i++) a[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+    } else {
+        float *a = x;
+        const float *b = y;
+        for (int64_t i = 0; i < n; i++) a[i] += b[i];
+    }
+}
+
+/* Returns 0; -1 where the kernels do not take these shapes (M, D, grouping: checked before
+ * anything is changed); -2 if a slot lies outside the cache (the caller raises IndexError, as
+ * for reshape_and_cache); -3 if memory ran out part way (the caller raises MemoryError). */
+int decode_layers(int is_bf16, void *x, int64_t M, const int64_t *layers, int64_t num_layers,
+                  int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps,
+                  const void *cos, const void *sin, const int64_t *slots, const int64_t *tables,
+                  int64_t table_width, const int64_t *seq_lens, int64_t num_blocks, int64_t BS,
+                  float scale, int64_t num_threads, int64_t min_keys) {
+    /* the limits of skinny_linear (rows), the decode kernel (head size, grouping), rope */
+    if (M < 1 || M > MAX_ROWS || D > 256 || D % 2 || Hkv < 1 || H % Hkv || H / Hkv > 16)
+        return -1;
+    const int64_t es = is_bf16 ? 2 : 4, qkv_n = (H + 2 * Hkv) * D;
+    char *buf = malloc((size_t)(M * (hidden + qkv_n + 2 * H * D + hidden + 3 * inter) * es));
+    if (!buf) return -1;
+    char *h = buf, *qkv = h + M * hidden * es, *q = qkv + M * qkv_n * es;
+    char *attn = q + M * H * D * es, *o = attn + M * H * D * es, *gu = o + M * hidden * es;
+    char *act = gu + M * 2 * inter * es;
+    int rc = 0;
+#define CHECK(call, code) \
+    if ((call) != 0) {    \
+        rc = (code);      \
+        break;            \
+    }
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *w = layers + l * LAYER_PTRS;
+        void *kv = (void *)w[KV_CACHE];
+        rms_norm(is_bf16, x, (const void *)w[IN_NORM], h, M, hidden, eps, num_threads);
+        CHECK(skinny_linear(is_bf16, h, (const void *)w[QKV], (const void *)w[QKV_BIAS], qkv,
+                            M, qkv_n, hidden, num_threads), -3);
+        for (int64_t m = 0; m < M; m++) {
+            char *row = qkv + m * qkv_n * es;
+            rope(is_bf16, row, H + Hkv, D, (const char *)cos + m * D * es,
+                 (const char *)sin + m * D * es);
+            memcpy(q + m * H * D * es, row, (size_t)(H * D * es));
+        }
+        CHECK(reshape_and_cache(es, qkv + H * D * es, qkv_n, qkv + (H + Hkv) * D * es, qkv_n,
+                                kv, slots, M, Hkv, D, num_blocks, BS), -2);
+        CHECK(paged_decode_attention(is_bf16, q, kv, tables, seq_lens, attn, M, H, Hkv, D,
+                                     num_blocks, BS, table_width, scale, num_threads, min_keys),
+              -3);
+        CHECK(skinny_linear(is_bf16, attn, (const void *)w[O_PROJ], NULL, o, M, hidden, H * D,
+                            num_threads), -3);
+        add_in_place(is_bf16, x, o, M * hidden);
+        rms_norm(is_bf16, x, (const void *)w[POST_NORM], h, M, hidden, eps, num_threads);
+        CHECK(skinny_linear(is_bf16, h, (const void *)w[GATE_UP], NULL, gu, M, 2 * inter,
+                            hidden, num_threads), -3);
+        silu_and_mul(is_bf16, gu, act, M, inter, num_threads);
+        CHECK(skinny_linear(is_bf16, act, (const void *)w[DOWN], NULL, o, M, hidden, inter,
+                            num_threads), -3);
+        add_in_place(is_bf16, x, o, M * hidden);
+    }
+#undef CHECK
+    free(buf);
+    return rc;
+}
