@@ -47,17 +47,36 @@ def run_inflight(workload, dtype: str, args) -> float:
 
     llm = LLM(dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
+              step_breakdown=args.step_breakdown,
               **({"num_threads": args.num_threads} if args.num_threads else {}))
     prompts = [p for p, _ in workload]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    llm.engine.step_timer.records.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(n for _, n in workload), "inflight produced the wrong token count"
+    if args.step_breakdown:
+        print_breakdown(llm.engine.step_timer, elapsed)
     del llm
     return produced / elapsed
+
+
+def print_breakdown(timer, elapsed: float) -> None:
+    """Mean step phases of the measured run (``timer`` cleared after the warm-up), for all
+    steps, steps with prefill work (mixed) and pure decode steps."""
+    from inflight.profiling import StepTimer
+
+    records = list(timer.records)
+    groups = {"all": records, "mixed": [r for r in records if r.num_tokens > r.num_seqs],
+              "pure decode": [r for r in records if r.num_tokens == r.num_seqs]}
+    print(f"  inflight step breakdown, {elapsed:.1f} s measured:")
+    for name, rs in groups.items():
+        if rs:
+            print(f"    {name:11s} {sum(r.total for r in rs):6.1f} s: "
+                  + StepTimer.format(timer.summary(rs)))
 
 
 def run_hf(workload, dtype: str, args, hf_model) -> float:
@@ -98,6 +117,10 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=None, help="inflight's torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", type=Path, default=None, help="write the results as JSON")
+    ap.add_argument("--step-breakdown", action="store_true",
+                    help="time inflight's step phases and print them for mixed and pure decode "
+                         "steps (adds a sync per phase; decode steps of 1-2 tokens then take "
+                         "the module path)")
     args = ap.parse_args()
 
     import transformers

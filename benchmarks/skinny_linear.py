@@ -4,8 +4,9 @@ Two measurements, interleaved and repeated (the machine is noisy):
 - per layer shape of the bundled model (qkv, o, gate_up, down, lm_head), microseconds per
   call and the weight bytes streamed per second, with enough copies of each weight that
   they come from DRAM as in a real step (the model's 269 MB of bfloat16 weights exceed L3);
-- the engine's decode tokens/s at batch 1 and 2 with the kernel on and off (a 128-token
-  prompt, 64 tokens out, greedy).
+- the engine's decode tokens/s at batch 1 and 2 (a 128-token prompt, 64 tokens out, greedy)
+  three ways: oneDNN through the modules; the skinny kernel through the modules; the skinny
+  kernel with the whole stack in one native call (decode_layers.c, the default).
 
     .venv/bin/python benchmarks/skinny_linear.py --dtypes bfloat16 float32
 """
@@ -59,6 +60,16 @@ def kernel_off():
         llama.SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
 
 
+@contextlib.contextmanager
+def modules():
+    """The skinny kernel, but layer by layer through the modules, not decode_layers.c."""
+    llama.LlamaForCausalLM.fused_decode = False
+    try:
+        yield
+    finally:
+        llama.LlamaForCausalLM.fused_decode = True
+
+
 def engine(dtype: str, batches: list[int], repeats: int) -> None:
     from inflight import LLM, SamplingParams
 
@@ -67,10 +78,12 @@ def engine(dtype: str, batches: list[int], repeats: int) -> None:
     for b in batches:
         prompts = [list(range(100 + i, 228 + i)) for i in range(b)]
         llm.generate(prompts, [params] * b, use_tqdm=False)  # warm-up
-        results: dict[str, list[float]] = {"oneDNN": [], "skinny": []}
+        modes = {"oneDNN": kernel_off, "skinny, per module": modules, "skinny, one call":
+                 contextlib.nullcontext}
+        results: dict[str, list[float]] = {mode: [] for mode in modes}
         for _ in range(repeats):
             for mode in results:
-                with kernel_off() if mode == "oneDNN" else contextlib.nullcontext():
+                with modes[mode]():
                     t0 = time.perf_counter()
                     llm.generate(prompts, [params] * b, use_tqdm=False)
                     results[mode].append(64 * b / (time.perf_counter() - t0))

@@ -251,13 +251,13 @@ class LlamaForCausalLM(nn.Module):
     # Decode steps of 1-2 tokens run the whole stack in one native call (decode_layers.c),
     # bit-identical to the modules; False forces the modules (tests compare the two).
     fused_decode: bool = True
-    _decode_table: tuple[tuple[int, int], torch.Tensor | None] | None = None
+    _decode_table: tuple[tuple[int, ...], torch.Tensor | None] | None = None
 
     def _decode_layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """The per-layer address table ``decode_layers`` takes, built once per KV cache
         list; None where the modules would not run the native kernels the C path repeats
         (weights not prepacked for the skinny kernel, another dtype, off CPU)."""
-        key = (id(kv_caches), kv_caches[0].data_ptr())
+        key = tuple(t.data_ptr() for t in kv_caches)
         if self._decode_table is not None and self._decode_table[0] == key:
             return self._decode_table[1]
         table = None

@@ -352,12 +352,12 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
     lib = _native_for(x, cos, sin)
     if lib is None or not x.is_contiguous():
         return False
-    tables = block_tables.contiguous()
+    tables, slots, lens = (t.contiguous() for t in (block_tables, slot_mapping, seq_lens))
     rc = lib.decode_layers(
         int(x.dtype == torch.bfloat16), x.data_ptr(), x.shape[0], layer_table.data_ptr(),
         layer_table.shape[0], x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size,
-        eps, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), tables.data_ptr(),
-        tables.shape[1], seq_lens.data_ptr(), num_blocks, block_size, scale,
+        eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), num_blocks, block_size, scale,
         _threads(num_threads), MIN_KEYS_PER_THREAD)
     if rc == -2:
         raise IndexError(f"a KV slot lies outside the cache of {num_blocks * block_size} slots")
