@@ -60,6 +60,20 @@ static inline __m512 load16(const void *p, int is_bf16) {
     return _mm512_loadu_ps(p);
 }
 
+/* Online-softmax state of a work item's rows (token-major, G rows a token; the padding
+ * rows up to `padded` repeat the last token): zero output, no max yet, and each row's
+ * position, the last key it may see. */
+static void reset_rows(float (*acc)[D], float *mx, float *den, int32_t *pos, int64_t rows,
+                       int64_t padded, int64_t G, int64_t first_pos) {
+    for (int64_t r = 0; r < padded; r++) {
+        const int64_t rr = r < rows ? r : rows - 1;
+        memset(acc[r], 0, sizeof(acc[r]));
+        mx[r] = -INFINITY;
+        den[r] = 0.f;
+        pos[r] = (int32_t)(first_pos + rr / G);
+    }
+}
+
 /* Scratch of one thread: query rows, accumulators, the key tile (transposed) and values. */
 typedef struct {
     float q[MAX_ROWS][D] __attribute__((aligned(64)));
@@ -77,16 +91,13 @@ static void item(int is_bf16, const char *q, int64_t q_stride, const char *k_bas
                  scratch_t *s) {
     const int64_t esz = is_bf16 ? 2 : 4;
     const int64_t rows = (i1 - i0) * G, padded = (rows + 3) & ~(int64_t)3;
+    reset_rows(s->acc, s->mx, s->den, s->pos, rows, padded, G, num_computed + i0);
     for (int64_t r = 0; r < padded; r++) {  /* rows token-major; padding repeats the last */
         const int64_t rr = r < rows ? r : rows - 1;
         const char *qr = q + ((i0 + rr / G) * q_stride + (rr % G) * D) * esz;
         for (int c = 0; c < D; c += 16)
             _mm512_store_ps(s->q[r] + c, _mm512_mul_ps(load16(qr + c * esz, is_bf16),
                                                        _mm512_set1_ps(scale)));
-        memset(s->acc[r], 0, sizeof(s->acc[r]));
-        s->mx[r] = -INFINITY;
-        s->den[r] = 0.f;
-        s->pos[r] = (int32_t)(num_computed + i0 + rr / G);
     }
     const int64_t last = num_computed + i1 - 1;
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -209,13 +220,10 @@ static void item_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
                       int64_t G, float scale, uint16_t *out, int64_t o_stride,
                       scratch_bf16_t *s) {
     const int64_t rows = (i1 - i0) * G, padded = (rows + R - 1) / R * R;
+    reset_rows(s->acc, s->mx, s->den, s->pos, rows, padded, G, num_computed + i0);
     for (int64_t r = 0; r < padded; r++) {  /* rows token-major; padding repeats the last */
         const int64_t rr = r < rows ? r : rows - 1;
         memcpy(s->q[r], q + (i0 + rr / G) * q_stride + (rr % G) * D, D * 2);
-        memset(s->acc[r], 0, sizeof(s->acc[r]));
-        s->mx[r] = -INFINITY;
-        s->den[r] = 0.f;
-        s->pos[r] = (int32_t)(num_computed + i0 + rr / G);
     }
     const int64_t last = num_computed + i1 - 1;
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
