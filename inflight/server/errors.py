@@ -120,6 +120,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        ctype = request.headers.get("content-type", "")
+        errors = exc.errors()
+        body_not_object = bool(errors) and tuple(errors[0].get("loc", ())) == ("body",)
+        if ctype and "json" not in ctype.lower() and body_not_object:
+            # FastAPI parses only JSON content types; any other hands pydantic raw bytes,
+            # whose "not a dict" message would send the user looking in the wrong place.
+            return bad_request(f"the request body must be a JSON object sent as "
+                               f"Content-Type: application/json (got {ctype!r})").response()
         message, param = _validation_message(exc)
         return bad_request(message, param=param).response()
 

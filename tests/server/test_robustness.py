@@ -143,6 +143,14 @@ def test_bad_input_gets_status_and_openai_error_body(served, url, path, body, st
     assert len(calls) == before, "a bad request reached the engine"
 
 
+def test_json_sent_as_another_content_type_is_named_as_the_problem(served, url):
+    r = httpx.post(url + "/v1/completions", content=json.dumps({"prompt": "hi", "max_tokens": 2}),
+                   headers={"content-type": "text/plain"}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert "Content-Type: application/json" in r.json()["error"]["message"]
+    assert "text/plain" in r.json()["error"]["message"]
+
+
 def test_other_http_errors_are_openai_shaped(url):
     for r, status in ((httpx.get(url + "/v1/completions"), 405), (httpx.get(url + "/nope"), 404)):
         assert r.status_code == status
