@@ -3,7 +3,7 @@
 Measures, in one run:
 - matmul throughput (GFLOP/s), float32 and bfloat16, on a large square GEMM (the peak)
   and on the model's own decode shapes (batch x hidden -> qkv / o / gate_up / down);
-- memory bandwidth (GB/s) from a large tensor copy (bytes read + written);
+- memory bandwidth (GB/s) from a large tensor copy (bytes read + written), and reads alone;
 - from them, the bounds on decode tokens/s: bandwidth-bound at batch 1 (every step reads
   all weights once), compute-bound at large batch (2 FLOPs per weight per token);
 - the engine's steady-state decode tokens/s at batch 1, 8, 32, 64, 128 and its share of
@@ -39,6 +39,13 @@ def bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     return 2 * nbytes / _bench(lambda: dst.copy_(src), min_time=1.0) / 1e9
+
+
+def read_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Bytes read per second by a sum over a large tensor: reads only, as a decode step's
+    weight stream. Printed beside the copy figure, which has swung by 1.5x on this machine."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    return nbytes / _bench(lambda: src.sum(), min_time=1.0) / 1e9
 
 
 def decode_tokens_per_s(model, dtype: torch.dtype, batch: int, context: int = 128,
@@ -81,7 +88,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.2f}")
     bw = bandwidth_gbs()
-    print(f"memory bandwidth (copy): {bw:.1f} GB/s")
+    print(f"memory bandwidth (copy): {bw:.1f} GB/s; reads alone (sum): "
+          f"{read_bandwidth_gbs():.1f} GB/s")
     config, state = load_model(find_bundled_model())
     c = config
     layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
