@@ -6,6 +6,7 @@ shape) falls back to the PyTorch path, logged once.
 - ``prefill_attention.c``: prefill chunks over the paged cache (AVX-512, head size 64).
 - ``linear.c``: the skinny linear layer for decode at batch 1-2.
 - ``rms_norm.c``, ``activation.c``: RMSNorm and ``silu_and_mul`` in one pass.
+- ``kernels.h``: the exported functions, checked against every definition.
 - ``decode_layers.c``: the decoder stack for a decode step of 1-2 tokens in one call, the
   kernels above in the per-module path's order (bit-identical), without Python between them.
 
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("paged_attention.c", "prefill_attention.c", "linear.c",
                                "rms_norm.c", "activation.c", "decode_layers.c")]
-_HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h"]
+_HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h", _DIR / "kernels.h"]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-fPIC"]

@@ -15,6 +15,7 @@
 #endif
 
 #include "bf16.h"
+#include "kernels.h"
 #include "fast_exp.h"
 
 void silu_and_mul(int is_bf16, const void *x, void *out, int64_t T, int64_t I,

@@ -25,23 +25,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
-int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
-                  int64_t M, int64_t N, int64_t K, int64_t num_threads);
-int rms_norm(int is_bf16, const void *x, const void *weight, void *y, int64_t T, int64_t D,
-             float eps, int64_t num_threads);
-void silu_and_mul(int is_bf16, const void *x, void *out, int64_t T, int64_t I,
-                  int64_t num_threads);
-int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
-                           const int64_t *tables, const int64_t *seq_lens, void *out,
-                           int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
-                           int64_t BS, int64_t M, float scale, int64_t num_threads,
-                           int64_t min_keys);
-int reshape_and_cache(int64_t esz, const void *k, int64_t k_stride, const void *v,
-                      int64_t v_stride, void *kv_cache, const int64_t *slots, int64_t T,
-                      int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS);
-
-/* Columns of `layers` (kept in step with llama.py's decode_layer_pointers). */
+/* Columns of `layers`, in the order of DECODE_LAYER_COLUMNS in __init__.py. */
 enum { IN_NORM, QKV, QKV_BIAS, O_PROJ, POST_NORM, GATE_UP, DOWN, KV_CACHE, LAYER_PTRS };
 
 #define MAX_ROWS 16

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "fast_exp.h"
 #ifdef _OPENMP
 #include <omp.h>

@@ -23,6 +23,7 @@
 #endif
 
 #include "bf16.h"
+#include "kernels.h"
 #include "fast_exp.h"
 
 #if defined(__AVX512F__)
@@ -230,7 +231,7 @@ static void item_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 <= last; j0 += PKT) {
         const uint32_t *kt = kp + (j0 / PKT) * TILE_WORDS, *vt = vp + (j0 / PKT) * TILE_WORDS;
-        const int64_t pairs = (last + 1 - j0 < PKT ? last + 1 - j0 : PKT) + 1 >> 1;
+        const int64_t pairs = ((last + 1 - j0 < PKT ? last + 1 - j0 : PKT) + 1) / 2;
         const __m512i keys0 = _mm512_add_epi32(_mm512_set1_epi32((int32_t)j0), iota);
         const __m512i keys1 = _mm512_add_epi32(keys0, _mm512_set1_epi32(16));
         for (int64_t r = 0; r < padded; r += R) {

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define LOAD(p, i) (is_bf16 ? bf16_to_f32(((const uint16_t *)(p))[i]) : ((const float *)(p))[i])
 
