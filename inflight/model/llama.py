@@ -251,39 +251,39 @@ class LlamaForCausalLM(nn.Module):
     # Decode steps of 1-2 tokens run the whole stack in one native call (decode_layers.c),
     # bit-identical to the modules; False forces the modules (tests compare the two).
     fused_decode: bool = True
-    _decode_table: tuple[tuple[int, ...], torch.Tensor | None] | None = None
+    # (the KV cache list the table was built for, the table or None); holding the list keeps
+    # the caches the table points into alive. Cleared by load_weights.
+    _decode_table: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
 
     def _decode_layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """The per-layer address table ``decode_layers`` takes, built once per KV cache
-        list; None where the modules would not run the native kernels the C path repeats
-        (weights not prepacked for the skinny kernel, another dtype, off CPU)."""
-        key = tuple(t.data_ptr() for t in kv_caches)
-        if self._decode_table is not None and self._decode_table[0] == key:
+        list (the runner keeps one for its life); None where the modules would not run the
+        native kernels the C path repeats (weights not prepacked for the skinny kernel,
+        another dtype, off CPU)."""
+        if self._decode_table is not None and self._decode_table[0] is kv_caches:
             return self._decode_table[1]
         table = None
         linears = [m for layer in self.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         tensors = [p for layer in self.layers for p in layer.parameters()] + list(kv_caches)
-        # Only qkv_proj may have a bias (the table's qkv_bias column); the others are built
-        # without one.
         if (len(kv_caches) == len(self.layers) and all(m.packed is not None for m in linears)
                 and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
                         for t in tensors)):
             rows = []
             for layer, kv in zip(self.layers, kv_caches):
                 attn, mlp = layer.self_attn, layer.mlp
-                bias = attn.qkv_proj.bias
-                rows.append([layer.input_layernorm.weight.data_ptr(),
-                             attn.qkv_proj.weight.data_ptr(),
-                             0 if bias is None else bias.data_ptr(),
-                             attn.o_proj.weight.data_ptr(),
-                             layer.post_attention_layernorm.weight.data_ptr(),
-                             mlp.gate_up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(),
-                             kv.data_ptr()])
+                # Only qkv_proj may have a bias; the other projections are built without.
+                column = {"input_norm": layer.input_layernorm.weight,
+                          "qkv": attn.qkv_proj.weight, "qkv_bias": attn.qkv_proj.bias,
+                          "o_proj": attn.o_proj.weight,
+                          "post_norm": layer.post_attention_layernorm.weight,
+                          "gate_up": mlp.gate_up_proj.weight, "down": mlp.down_proj.weight,
+                          "kv_cache": kv}
+                rows.append([0 if column[c] is None else column[c].data_ptr()
+                             for c in DECODE_LAYER_COLUMNS])
             table = torch.tensor(rows, dtype=torch.int64)
-            assert table.shape[1] == len(DECODE_LAYER_COLUMNS)
-        self._decode_table = (key, table)
+        self._decode_table = (kv_caches, table)
         return table
 
     def _decode_in_one_call(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

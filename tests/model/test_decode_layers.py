@@ -16,6 +16,7 @@ from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.config import ModelConfig
 from inflight.model.kernels import native_library
 from inflight.model.llama import LlamaForCausalLM
+from inflight.profiling import NULL_TIMER, StepTimer
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernels")
 
@@ -73,13 +74,18 @@ def prefill(model, prompts, kv_caches):
 
 
 def decode(model, tokens, lens, kv_caches, fused):
-    seqs = range(len(tokens))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([slot(s, lens[s]) for s in seqs]), num_decodes=len(tokens),
-        decode_block_tables=torch.stack([table(s) for s in seqs]),
-        decode_seq_lens=torch.tensor([lens[s] + 1 for s in seqs]))
+    positions = lens[:len(tokens)]
     model.fused_decode = fused
-    return model(torch.tensor(tokens), torch.tensor(lens[:len(tokens)]), kv_caches, meta)
+    return model(torch.tensor(tokens), torch.tensor(positions), kv_caches, decode_meta(positions))
+
+
+def decode_meta(positions, timer=NULL_TIMER):
+    """A pure decode step: sequence s's new token at positions[s]."""
+    seqs = range(len(positions))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor([slot(s, positions[s]) for s in seqs]),
+        num_decodes=len(positions), decode_block_tables=torch.stack([table(s) for s in seqs]),
+        decode_seq_lens=torch.tensor([p + 1 for p in positions]), timer=timer)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -105,23 +111,23 @@ def test_one_call_decode_equals_modules(dtype, bias, batch, monkeypatch):
         for x, y in zip(ours, theirs):
             assert torch.equal(x, y)
         lens = [n + 1 for n in lens]
-        tokens = [int(t) % c.vocab_size for t in a[:, 0].float().mul(1000).long()]
+        tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
     assert len(calls) == 6  # the one-call path ran every step
 
 
-def test_timed_steps_and_larger_batches_use_the_modules(monkeypatch):
+@pytest.mark.parametrize("num_seqs,timed", [(3, False), (1, True), (1, False)])
+def test_the_modules_run_timed_steps_and_more_than_two_rows(monkeypatch, num_seqs, timed):
     model = make_model(torch.float32, False)
     c = model.config
     caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim)
               for _ in range(c.num_hidden_layers)]
-    prefill(model, [[1, 2, 3], [4, 5, 6], [7, 8, 9]], caches)
+    prefill(model, [[1, 2, 3]] * num_seqs, caches)
     calls = []
     monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(1) or False)
-    seqs = range(3)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([slot(s, 3) for s in seqs]), num_decodes=3,
-        decode_block_tables=torch.stack([table(s) for s in seqs]),
-        decode_seq_lens=torch.tensor([4, 4, 4]))
     model.fused_decode = True
-    model(torch.tensor([1, 2, 3]), torch.tensor([3, 3, 3]), caches, meta)
-    assert calls == []  # three rows: the skinny kernel's limit is two
+    timer = StepTimer(enabled=True) if timed else NULL_TIMER
+    model(torch.tensor([4] * num_seqs), torch.tensor([3] * num_seqs), caches,
+          decode_meta([3] * num_seqs, timer))
+    # Three rows pass the skinny kernel's limit of two; a timed step must time attention
+    # apart. Only the untimed single row may take the one-call path.
+    assert len(calls) == (1 if (num_seqs, timed) == (1, False) else 0)
