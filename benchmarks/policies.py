@@ -11,26 +11,30 @@ policies compared"), each starting and stopping its own server through ``--serve
    SLO holds and nothing fails. Interleaving spreads load from other work on a shared
    machine over all policies instead of one.
 
+Every point is a sustained window (``--duration``, 60 s, of at least ``--num-prompts``
+requests, after a warm-up and before a cool-down; docs/capacity.md) and passes only on the
+evidence of ``inflight.bench.sustain``: the completed rate keeps up with the offered one,
+the queue does not grow, each p95's 95 % interval is within its target. Each capacity
+search replays its own stretch of the trace (``--trace-skip`` + repeat x ``--repeat-skip``
+rows): trace arrivals ignore the seed, so repeats of one stretch would only measure noise.
 Every point starts with a cold prefix cache (``--reset-prefix-cache``): the same prompts
 are sent at every load, and cached prefixes would otherwise make later points cheaper.
 
 Then it merges the results into ``policies.json`` / ``policies.csv``, draws
-``policies.png`` (p95 TTFT and p95 ITL against achieved throughput, one line per policy,
-and the capacity per policy) and prints the tables in Markdown (also ``table.md``).
-Capacity is reported in req/s: ``offered rate = (N - 1) / (span of the N trace arrivals x
-time scale)``, next to what the server completed at that limit (completed / duration,
-drain included). With few requests per point, a fast server can absorb a short burst
-above the rate it sustains; the completed rate is then the conservative figure.
+``policies.png`` (p95 TTFT and p95 ITL against the completed rate, one line per policy,
+and the operating limit per policy) and prints the tables in Markdown (also ``table.md``).
+The limit is reported as the offered rate in the window of the highest sustained point
+(requests arrived / window seconds), next to what the server completed in that window.
 Results and their caveats: docs/policies.md.
 
-Traffic goes to 127.0.0.1 only. Every run is bounded: ``--num-prompts`` requests per point,
-``--request-timeout`` per request, ``--max-points`` per capacity search and
-``--command-timeout`` per ``inflight bench`` command. The defaults took 18 minutes on 2
-CPU cores (about 25 with other work on the machine).
+Traffic goes to 127.0.0.1 only. Every run is bounded: the window and its drain timeout per
+point, ``--request-timeout`` per request, ``--max-points`` per capacity search and
+``--command-timeout`` per ``inflight bench`` command. The defaults take about 90 minutes on
+2 CPU cores.
 
     .venv/bin/python benchmarks/policies.py                      # the full run
-    .venv/bin/python benchmarks/policies.py --num-prompts 6 --time-scales 2,1 --repeats 1 \\
-        --max-points 2 --out /tmp/policies-smoke                  # a smoke run (~2 min)
+    .venv/bin/python benchmarks/policies.py --duration 10 --num-prompts 20 --time-scales 4,1 \\
+        --repeats 1 --max-points 2 --out /tmp/policies-smoke      # a smoke run (~6 min)
     .venv/bin/python benchmarks/policies.py --report-only         # tables/plot from saved JSON
 """
 
@@ -70,9 +74,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--length-scale", type=float, default=0.125, help="x trace prompt/output lengths")
     g.add_argument("--max-input-len", type=int, default=256, help="cap after scaling")
     g.add_argument("--max-output-len", type=int, default=128, help="cap after scaling")
-    g.add_argument("--num-prompts", type=int, default=30,
-                   help="measured requests per point (too few and a point is a short burst the "
-                        "server absorbs, not a sustained load)")
+    g.add_argument("--num-prompts", type=int, default=100,
+                   help="measured requests per point, at least (the window stretches to hold them)")
+    g.add_argument("--duration", type=float, default=60.0,
+                   help="s: each point's measurement window (after a warm-up of duration / 6, "
+                        "before a cool-down): a sustained load, not a burst")
+    g.add_argument("--repeat-skip", type=int, default=2000,
+                   help="trace rows between the stretches that successive capacity searches replay")
     g.add_argument("--num-warmups", type=int, default=2)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--request-timeout", type=float, default=60.0, help="s; a request over it fails")
@@ -88,12 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     # measurement
     g = p.add_argument_group("measurement")
     g.add_argument("--slo", default="ttft_p95=2s,itl_p95=1s")
-    g.add_argument("--time-scales", default="4,2,1,0.5,0.25", help="sweep points (x trace time)")
-    g.add_argument("--capacity-start", type=float, default=1.0, help="first time scale of each search")
-    g.add_argument("--repeats", type=int, default=3, help="capacity searches per policy")
-    g.add_argument("--tolerance", type=float, default=0.25, help="search stops at hi/lo <= 1 + this")
+    g.add_argument("--time-scales", default="8,4,2,1.4,1", help="sweep points (x trace time)")
+    g.add_argument("--capacity-start", type=float, default=2.0, help="first time scale of each search")
+    g.add_argument("--repeats", type=int, default=2, help="capacity searches per policy")
+    g.add_argument("--tolerance", type=float, default=0.15, help="search stops at hi/lo <= 1 + this")
     g.add_argument("--max-points", type=int, default=6, help="points per capacity search")
-    g.add_argument("--command-timeout", type=float, default=900.0, help="s per inflight bench command")
+    g.add_argument("--command-timeout", type=float, default=2400.0, help="s per inflight bench command")
     g.add_argument("--log-dir", default="/tmp/inflight-policies-logs", help="server logs")
     g.add_argument("--skip-sweep", action="store_true")
     g.add_argument("--skip-capacity", action="store_true")
@@ -114,9 +122,12 @@ def serve_template(args) -> str:
     return shlex.join(cmd) + (" " + args.server_args if args.server_args else "")
 
 
-def common_flags(args) -> list[str]:
-    return ["--base-url", f"http://127.0.0.1:{args.port}",
-            "--dataset", "trace", "--trace-file", args.trace_file, "--trace-skip", str(args.trace_skip),
+def common_flags(args, rep: int = 0) -> list[str]:
+    """Every point a sustained window; search ``rep`` replays its own stretch of the trace
+    (the seed moves no trace arrival, so repeats of one stretch would only measure noise)."""
+    return ["--base-url", f"http://127.0.0.1:{args.port}", "--duration", str(args.duration),
+            "--dataset", "trace", "--trace-file", args.trace_file,
+            "--trace-skip", str(args.trace_skip + rep * args.repeat_skip),
             "--length-scale", str(args.length_scale), "--max-input-len", str(args.max_input_len),
             "--max-output-len", str(args.max_output_len), "--arrival", "trace",
             "--num-prompts", str(args.num_prompts), "--num-warmups", str(args.num_warmups),
@@ -136,7 +147,7 @@ def sweep_cmd(args, policy: str, out: pathlib.Path) -> list[str]:
 def capacity_cmd(args, policy: str, out: pathlib.Path, rep: int) -> list[str]:
     """One search (``--repeats 1``); the driver interleaves repeats across policies, so that
     a stretch of load from other work on the machine does not land on one policy only."""
-    return [args.inflight, "--log-level", "warning", "bench", "capacity", *common_flags(args),
+    return [args.inflight, "--log-level", "warning", "bench", "capacity", *common_flags(args, rep),
             "--time-scale", str(args.capacity_start), "--repeats", "1",
             "--tolerance", str(args.tolerance), "--max-points", str(args.max_points),
             "--serve-cmd", serve_template(args), "--values", policy,
@@ -210,19 +221,6 @@ def run_command(cmd: list[str], timeout: float, log: list[dict], label: str) -> 
 # ---------------------------------------------------------------- report
 
 
-def trace_rate_factor(args) -> float:
-    """K such that the offered rate at time scale ts is K / ts (req/s): (N - 1) / span of the
-    measured trace rows (the warm-up rows come first and are not part of the schedule)."""
-    from inflight.bench.datasets import default_data_dir, load_trace
-    path = pathlib.Path(args.trace_file)
-    if not path.exists():
-        path = default_data_dir() / args.trace_file
-    start = args.trace_skip + args.num_warmups
-    rows = load_trace(path)[start: start + args.num_prompts]
-    span = rows[-1].time - rows[0].time
-    return (len(rows) - 1) / span
-
-
 def load_json(path: pathlib.Path):
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -233,70 +231,83 @@ def _f(v, digits=2):
     return f"{v:.{digits}f}"
 
 
+def _limit_point(res: dict) -> dict | None:
+    ts = res["limits"][0]
+    return next((p for p in res["curve"] if p["passed"] and ts is not None and abs(p["x"] - ts) < 1e-12), None)
+
+
+def _ci(ev: dict, key: str) -> dict | None:
+    iv = (ev.get("slo") or {}).get(key)
+    return None if not iv else {k: iv[k] for k in ("estimate", "lo", "hi", "n")}
+
+
 def build_report(args, out: pathlib.Path, policies: list[str], runs: list[dict]) -> dict:
-    k = trace_rate_factor(args)
     capacity, rows = {}, []
     for pol in policies:
         sw = load_json(out / f"sweep-{pol}.json")
-        hits = {p["arrival"]["time_scale"]: (p.get("server_counters") or {}).get(
-            "inflight:prefix_cache_hits_total") for p in (sw or {}).get("points", [])}
-        for r in (sw or {}).get("rows", []):
-            rows.append({"policy": pol, "time_scale": r["time_scale"], "offered_rate": r["offered_rate"],
-                         "request_throughput": r["request_throughput"],
+        for r, p in zip((sw or {}).get("rows", []), (sw or {}).get("points", [])):
+            ev = (p.get("verdict") or {}).get("evidence") or {}
+            rows.append({"policy": pol, "time_scale": r["time_scale"], "offered_rate": ev.get("offered_rate"),
+                         "completed_rate": ev.get("completed_rate"), "sustained": r.get("sustained"),
                          "output_throughput": r["output_throughput"], "ttft_p95": r["ttft_p95"],
                          "itl_p95": r["itl_p95"], "ttft_median": r["ttft_median"], "e2e_p95": r["e2e_p95"],
-                         "completed": r["completed"], "failed": r["failed"],
+                         "ttft_p95_ci": _ci(ev, "ttft_p95"), "itl_p95_ci": _ci(ev, "itl_p95"),
+                         "completed": r["completed"], "failed": r["failed"], "unfinished": ev.get("unfinished"),
+                         "queue_growth": (ev.get("queue") or {}).get("growth"),
                          "peak_concurrency": r["peak_concurrency"], "preemptions": r["preemptions"],
-                         "prefix_cache_hit_tokens": hits.get(r["time_scale"])})
+                         "reasons": (p.get("verdict") or {}).get("reasons"),
+                         "prefix_cache_hit_tokens": (p.get("server_counters") or {}).get(
+                             "inflight:prefix_cache_hits_total")})
         searches = []  # (repeat, result of one search)
         for f in sorted(out.glob(f"capacity-{pol}-r*.json"), key=lambda f: int(f.stem.rsplit("-r", 1)[1])):
             doc = load_json(f)
             if doc and doc.get("results"):
                 searches.append((int(f.stem.rsplit("-r", 1)[1]), doc["results"][0]))
-        if searches:
-            res = {"limits": [r["limits"][0] for _, r in searches],
-                   "bounded": all(r["bounded"] for _, r in searches),
-                   "curve": [{**p, "repeat": i} for i, r in searches for p in r["curve"]],
-                   "fixed": searches[0][1]["fixed"]}
-            ts_limits = res["limits"]
-            rates = [k / ts for ts in ts_limits if ts]
-            # What the server completed at each search's limit (req/s): well below the offered
-            # rate means the point was a burst absorbed, not a load sustained.
-            at_limit = [next((p["summary"].get("request_throughput") for p in res["curve"]
-                              if p["repeat"] == i and p["passed"] and ts and abs(p["x"] - ts) < 1e-9), None)
-                        for i, ts in enumerate(ts_limits)]
-            capacity[pol] = {
-                "time_scale_limits": ts_limits, "rate_limits": rates, "bounded": res["bounded"],
-                "found": len(rates), "repeats": len(ts_limits),
-                "mean": statistics.fmean(rates) if rates else None,
-                "std": statistics.pstdev(rates) if len(rates) > 1 else (0.0 if rates else None),
-                "min": min(rates) if rates else None, "max": max(rates) if rates else None,
-                "achieved_at_limit": at_limit,
-                "achieved_mean": (statistics.fmean([v for v in at_limit if v is not None])
-                                  if any(v is not None for v in at_limit) else None),
-                "points": [{"repeat": p["repeat"], "time_scale": p["x"], "rate": k * p["load"],
-                            "passed": p["passed"], "reasons": p["reasons"],
-                            "prefix_cache_hit_tokens": (p["summary"].get("server_counters") or {}).get(
-                                "inflight:prefix_cache_hits_total"),
-                            "request_throughput": p["summary"].get("request_throughput"),
-                            "ttft_p95": (p["summary"].get("ttft") or {}).get("p95"),
-                            "itl_p95": (p["summary"].get("itl") or {}).get("p95")}
-                           for p in res["curve"]],
-                "lengths": res["fixed"].get("lengths"), "server_info": res["fixed"].get("server_info")}
+        if not searches:
+            continue
+        limits = []
+        for rep, res in searches:
+            p = _limit_point(res)
+            ev = (p or {}).get("evidence") or {}
+            limits.append({"repeat": rep, "trace_skip": args.trace_skip + rep * args.repeat_skip,
+                           "time_scale": res["limits"][0], "failed_above": res["failed_above"][0],
+                           "offered_rate": ev.get("offered_rate"), "completed_rate": ev.get("completed_rate"),
+                           "ttft_p95_ci": _ci(ev, "ttft_p95"), "itl_p95_ci": _ci(ev, "itl_p95"),
+                           "lost_because": sorted({c for q in res["curve"] if not q["passed"]
+                                                   and q["x"] == res["failed_above"][0]
+                                                   for c in q["evidence"].get("causes", [])})})
+        rates = [x["offered_rate"] for x in limits if x["offered_rate"] is not None]
+        done = [x["completed_rate"] for x in limits if x["completed_rate"] is not None]
+        capacity[pol] = {
+            "searches": limits, "bounded": all(r["bounded"] for _, r in searches), "found": len(rates),
+            "repeats": len(limits), "mean": statistics.fmean(rates) if rates else None,
+            "std": statistics.pstdev(rates) if len(rates) > 1 else (0.0 if rates else None),
+            "min": min(rates) if rates else None, "max": max(rates) if rates else None,
+            "completed_mean": statistics.fmean(done) if done else None,
+            "points": [{"repeat": rep, "time_scale": p["x"], "passed": p["passed"], "reasons": p["reasons"],
+                        "offered_rate": p["evidence"].get("offered_rate"),
+                        "completed_rate": p["evidence"].get("completed_rate"),
+                        "ttft_p95": (p["summary"].get("ttft") or {}).get("p95"),
+                        "itl_p95": (p["summary"].get("itl") or {}).get("p95")}
+                       for rep, res in searches for p in res["curve"]],
+            "lengths": searches[0][1]["fixed"].get("lengths"), "server_info": searches[0][1]["fixed"].get("server_info")}
     slo = {}
     for part in args.slo.split(","):
         key, _, val = part.partition("=")
         slo[key.strip()] = val.strip()
-    report = {"generated_at": dt.datetime.now().isoformat(timespec="seconds"),
-              "driver": "benchmarks/policies.py " + shlex.join(sys.argv[1:]),
-              "workload": {"trace_file": args.trace_file, "trace_skip": args.trace_skip,
-                           "length_scale": args.length_scale, "max_input_len": args.max_input_len,
-                           "max_output_len": args.max_output_len, "num_prompts": args.num_prompts,
-                           "num_warmups": args.num_warmups, "seed": args.seed,
-                           "rate_at_time_scale_1": k},
-              "server_template": serve_template(args), "slo": slo, "capacity": capacity, "sweep": rows,
-              "runs": runs}
-    return report
+    return {"generated_at": dt.datetime.now().isoformat(timespec="seconds"),
+            "driver": "benchmarks/policies.py " + shlex.join(sys.argv[1:]),
+            "workload": {"trace_file": args.trace_file, "trace_skip": args.trace_skip,
+                         "repeat_skip": args.repeat_skip, "length_scale": args.length_scale,
+                         "max_input_len": args.max_input_len, "max_output_len": args.max_output_len,
+                         "num_prompts": args.num_prompts, "duration": args.duration,
+                         "num_warmups": args.num_warmups, "seed": args.seed},
+            "server_template": serve_template(args), "slo": slo, "capacity": capacity, "sweep": rows,
+            "runs": runs}
+
+
+def _iv(ci: dict | None) -> str:
+    return "-" if not ci else f"{_f(ci['estimate'])} [{_f(ci['lo'])}, {_f(ci['hi'])}]"
 
 
 def markdown_tables(report: dict) -> str:
@@ -304,34 +315,33 @@ def markdown_tables(report: dict) -> str:
     lines = []
     if cap:
         cont = (cap.get("continuous") or {}).get("mean")
-        cont_done = (cap.get("continuous") or {}).get("achieved_mean")
         n = next(iter(cap.values()))["repeats"]
-        lines += [f"Capacity under the SLO ({', '.join(f'{k}={v}' for k, v in report['slo'].items())}), "
-                  f"{n} search{'es' if n != 1 else ''} per policy:", "",
-                  "| policy | capacity (req/s), mean ± std | min – max (req/s) | time scale at the limit "
-                  "(per search) | completed req/s at the limit (per search) | continuous / policy, "
-                  "capacity | continuous / policy, completed at the limit |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [f"Operating limit under the SLO ({', '.join(f'{k}={v}' for k, v in report['slo'].items())}), "
+                  f"sustained {report['workload']['duration']:g} s windows, {n} search{'es' if n != 1 else ''} "
+                  "per policy (each on its own stretch of the trace):", "",
+                  "| policy | limit: offered req/s, mean ± std | completed req/s at the limit | per search: "
+                  "offered (time scale) | p95 TTFT at the limit [95% CI] (s) | broke above it | continuous / "
+                  "policy |", "|---|---|---|---|---|---|---|"]
         for pol, c in cap.items():
-            ts = ", ".join("-" if t is None else f"{t:.3g}" for t in c["time_scale_limits"])
+            per = ", ".join(f"{_f(x['offered_rate'])} ({_f(x['time_scale'], 3)})" for x in c["searches"])
             ratio = cont / c["mean"] if cont and c["mean"] else None
             note = "" if c["bounded"] else " (lower bound)"
-            done = ", ".join(_f(v) for v in c.get("achieved_at_limit") or [])
-            ratio_done = (cont_done / c["achieved_mean"]
-                          if cont_done and c.get("achieved_mean") else None)
-            lines.append(f"| {pol} | {_f(c['mean'])} ± {_f(c['std'])}{note} | {_f(c['min'])} – {_f(c['max'])} "
-                         f"| {ts} | {done} | {_f(ratio)}x | {_f(ratio_done)}x |")
+            ttft = "; ".join(_iv(x["ttft_p95_ci"]) for x in c["searches"])
+            broke = "; ".join(", ".join(x["lost_because"]) or "-" for x in c["searches"])
+            lines.append(f"| {pol} | {_f(c['mean'])} ± {_f(c['std'])}{note} | {_f(c['completed_mean'])} | {per} "
+                         f"| {ttft} | {broke} | {_f(ratio)}x |")
         lines.append("")
     if rows:
-        lines += ["Sweep (same requests at each load; p95 over the measured requests):", "",
-                  "| policy | time scale | offered (req/s) | achieved (req/s) | output tok/s | p95 TTFT (s) "
-                  "| p95 ITL (s) | median TTFT (s) | failed | peak in flight |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["Sweep (each point a sustained window; p95 with its 95% interval):", "",
+                  "| policy | time scale | offered (req/s) | completed (req/s) | sustained | output tok/s "
+                  "| p95 TTFT [CI] (s) | p95 ITL [CI] (s) | queue growth | unfinished | failed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
+            sus = {True: "yes", False: "no", None: "-"}[r["sustained"]]
             lines.append(f"| {r['policy']} | {r['time_scale']:g} | {_f(r['offered_rate'])} "
-                         f"| {_f(r['request_throughput'])} | {_f(r['output_throughput'], 1)} "
-                         f"| {_f(r['ttft_p95'])} | {_f(r['itl_p95'])} | {_f(r['ttft_median'])} "
-                         f"| {r['failed']} | {r['peak_concurrency']} |")
+                         f"| {_f(r['completed_rate'])} | {sus} | {_f(r['output_throughput'], 1)} "
+                         f"| {_iv(r['ttft_p95_ci'])} | {_iv(r['itl_p95_ci'])} | {_f(r['queue_growth'], 1)} "
+                         f"| {r['unfinished']} | {r['failed']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -354,15 +364,15 @@ def plot(report: dict, path: pathlib.Path) -> None:
     colors = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue"}
     pols = list(dict.fromkeys([r["policy"] for r in report["sweep"]] + list(report["capacity"])))
     for pol in pols:
-        rs = sorted([r for r in report["sweep"] if r["policy"] == pol], key=lambda r: r["offered_rate"])
+        rs = sorted([r for r in report["sweep"] if r["policy"] == pol], key=lambda r: r["offered_rate"] or 0)
         c = colors.get(pol)
-        x = [r["request_throughput"] for r in rs]
+        x = [r["completed_rate"] for r in rs]
         for ax, key in ((a1, "ttft_p95"), (a2, "itl_p95")):
             ax.plot(x, [r[key] if r[key] is not None else math.nan for r in rs], marker="o", color=c, label=pol)
             for r in rs:
-                if r["failed"]:
-                    ax.annotate(f"{r['failed']} failed", (r["request_throughput"], r[key] or 0), fontsize=7,
-                                color=c, textcoords="offset points", xytext=(4, -10))
+                if r["unfinished"] or r["failed"]:
+                    ax.annotate(f"{r['unfinished'] or r['failed']} unfinished", (r["completed_rate"], r[key] or 0),
+                                fontsize=7, color=c, textcoords="offset points", xytext=(4, -10))
         a3.plot([r["offered_rate"] for r in rs], [r["output_throughput"] for r in rs], marker="o", color=c,
                 label=pol)
     for ax, key, name in ((a1, "ttft_p95", "p95 TTFT (s)"), (a2, "itl_p95", "p95 ITL (s)")):
@@ -372,13 +382,13 @@ def plot(report: dict, path: pathlib.Path) -> None:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(ScalarFormatter())
-        ax.set_xlabel("achieved throughput (req/s)")
+        ax.set_xlabel("completed in the window (req/s)")
         ax.set_ylabel(name)
         ax.set_title(f"{name} vs throughput (sweep over time scales)")
         ax.legend(loc="upper left")
     a3.set_xscale("log")
     offered = sorted({round(r["offered_rate"], 2) for r in report["sweep"] if r["offered_rate"]})
-    a3.set_xticks(offered, [f"{v:g}" for v in offered])
+    a3.set_xticks(offered, [f"{v:g}" for v in offered], fontsize=7)
     a3.minorticks_off()
     a3.set_xlabel("offered rate (req/s, log)")
     a3.set_ylabel("output tokens/s")
@@ -390,21 +400,21 @@ def plot(report: dict, path: pathlib.Path) -> None:
     err = [[cap[p]["mean"] - cap[p]["min"] for p in names], [cap[p]["max"] - cap[p]["mean"] for p in names]]
     a4.bar(names, means, yerr=err, capsize=6, color=[colors.get(p) for p in names])
     for i, p in enumerate(names):
-        for j, v in enumerate(cap[p]["rate_limits"]):
-            a4.plot(i, v, "k.", ms=5, label="each search (offered req/s)" if i == j == 0 else None)
-        done = [v for v in cap[p].get("achieved_at_limit") or [] if v is not None]
-        a4.plot([i + 0.25] * len(done), done, "kx", ms=6,
-                label="completed req/s at the limit" if i == 0 else None)
-        a4.annotate(("" if cap[p]["bounded"] else ">=") + f"{cap[p]['mean']:.2f}", (i, cap[p]["max"]), textcoords="offset points", xytext=(0, 6),
-                    ha="center")
+        offered = [x["offered_rate"] for x in cap[p]["searches"] if x["offered_rate"] is not None]
+        done = [x["completed_rate"] for x in cap[p]["searches"] if x["completed_rate"] is not None]
+        a4.plot([i - 0.1] * len(offered), offered, "k.", ms=6, label="each search: offered" if i == 0 else None)
+        a4.plot([i + 0.1] * len(done), done, "kx", ms=6, label="each search: completed" if i == 0 else None)
+        a4.annotate(("" if cap[p]["bounded"] else ">=") + f"{cap[p]['mean']:.2f}", (i, cap[p]["max"]),
+                    textcoords="offset points", xytext=(0, 6), ha="center")
     if names:
         a4.set_ylim(0, max(cap[p]["max"] for p in names) * 1.15)
-    a4.set_ylabel("capacity (req/s) under the SLO")
-    a4.set_title("capacity: mean, min–max and each search")
+    a4.set_ylabel("operating limit (req/s offered)")
+    a4.set_title("sustained operating limit: mean, min–max and each search")
     a4.legend(loc="upper left")
     w = report["workload"]
     fig.suptitle(f"inflight batching policies, Azure conv trace (lengths x{w['length_scale']:g}, caps "
-                 f"{w['max_input_len']}/{w['max_output_len']}, {w['num_prompts']} requests per point), "
+                 f"{w['max_input_len']}/{w['max_output_len']}, {w['duration']:g} s windows of >= "
+                 f"{w['num_prompts']} requests), "
                  f"SLO {', '.join(f'{k}={v}' for k, v in report['slo'].items())}", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -14,6 +14,13 @@ after a gap):
 ``rate = inf`` sends every request at t = 0. Gaps are drawn as mean-1 variates and divided
 by the rate, so with one seed every rate sees the same pattern, only compressed: points of
 a sweep or a capacity search differ in load and nothing else.
+
+A measurement window (``window_offsets``) holds exactly ``rate x duration`` arrivals: its
+gaps are normalized to span the window. For Poisson arrivals this is the process
+conditioned on its count (the arrival times of a Poisson process given n arrivals in an
+interval are n sorted uniforms: normalized exponential gaps); for gamma arrivals the
+burstiness is kept. Without it, one seed's window may offer 10 % less than its label at
+every load of a search, and the limit found would be that much too high.
 """
 
 from __future__ import annotations
@@ -72,3 +79,24 @@ def make_offsets(n: int, process: str, rate: float = math.inf, burstiness: float
             raise ValueError("--arrival trace needs a trace dataset (--dataset trace)")
         return trace_offsets(list(trace_times[:n]), time_scale)  # type: ignore[arg-type]
     return rate_offsets(n, rate, process, burstiness, seed)
+
+
+def window_offsets(rate: float, process: str, burstiness: float, seed: int, warmup: float, duration: float,
+                   drain: float, min_requests: int = 1) -> tuple[list[float], float]:
+    """Offsets (s) of a windowed point and the window's end: arrivals at ``rate`` during
+    ``warmup`` s, then exactly ``max(round(rate x duration), min_requests)`` in the window
+    [warmup, end) (stretched beyond ``duration`` when ``min_requests`` needs it), then
+    ``drain`` s more at ``rate``. ValueError for a non-finite rate or the trace process."""
+    if process == "trace" or not math.isfinite(rate) or rate <= 0:
+        raise ValueError("window_offsets needs poisson, gamma or constant arrivals at a finite rate")
+    n = max(int(round(rate * duration)), min_requests, 1)
+    span = max(duration, n / rate)
+    rng_seeds = (seed, seed + 1_000_003, seed + 2_000_006)
+    before = np.cumsum(unit_gaps(int(rate * warmup * 2) + 8, process, burstiness, rng_seeds[0])) / rate
+    warm = sorted(warmup - t for t in before if t <= warmup)
+    g = unit_gaps(n + 1, process, burstiness, rng_seeds[1])
+    inside = (warmup + span * np.cumsum(g)[:-1] / g.sum()).tolist()
+    end = warmup + span
+    after = np.cumsum(unit_gaps(int(rate * drain * 2) + 8, process, burstiness, rng_seeds[2])) / rate
+    cool = [end + t for t in after if t < drain]
+    return [max(0.0, t) for t in warm] + inside + cool, end

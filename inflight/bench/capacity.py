@@ -1,4 +1,4 @@
-"""Capacity search: the highest load at which the SLOs hold and nothing fails.
+"""Capacity search: the highest load the server sustains while the SLOs hold.
 
 Load is a positive number where larger is harder: the request rate (requests/s), or, for
 trace replay, ``1 / time_scale`` (so the answer is the smallest time scale that passes).
@@ -6,17 +6,14 @@ trace replay, ``1 / time_scale`` (so the answer is the smallest time scale that 
 Search (bracket, then bisect): measure the start load; double it while points pass (or
 halve it while they fail) until a pass and a fail bracket the limit; then bisect the bracket
 at its geometric mean until ``hi / lo <= 1 + tolerance``. The limit is the highest passing
-load measured. Latency grows steeply near saturation, so the geometric mean treats a
-bracket [1, 100] and [10, 1000] alike.
+load measured; the lowest failing load above it bounds it from above. Latency grows steeply
+near saturation, so the geometric mean treats a bracket [1, 100] and [10, 1000] alike.
 
-A point passes when (``evaluate_point``):
-
-- at least one request completed and none failed;
-- every aggregate SLO (``--slo ttft_p95=...,itl_p95=...``) holds;
-- where the server counts preemptions, the counter grew by at most
-  ``preemption_threshold`` per completed request. The default 1.0 fails loads at which
-  requests are, on average, evicted and recomputed more than once: the KV cache is
-  thrashing, which wastes the work continuous batching exists to save.
+Each point is a steady-state window, and it passes on the evidence of
+:func:`inflight.bench.sustain.judge`: throughput keeps up with the offered rate, the queue
+does not grow, every SLO statistic's confidence interval is within its target, nothing
+failed, and preemptions stay under the threshold. A burst the server absorbs before its
+queue has grown does not pass: the window outlasts it.
 """
 
 from __future__ import annotations
@@ -26,10 +23,6 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from inflight.bench.stats import SLO, check_aggregate
-
-DEFAULT_PREEMPTION_THRESHOLD = 1.0  # preemptions per completed request
-
 
 @dataclass
 class PointOutcome:
@@ -37,26 +30,16 @@ class PointOutcome:
     passed: bool
     reasons: list[str] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
+    evidence: dict = field(default_factory=dict)  # sustain.judge's, pass or fail
+    timeline: dict | None = None  # limit.timeline: in-flight and server gauges over time
 
     def to_json(self) -> dict:
-        return {"load": self.load, "passed": self.passed, "reasons": self.reasons, "summary": self.summary}
+        return {"load": self.load, "passed": self.passed, "reasons": self.reasons, "summary": self.summary,
+                "evidence": self.evidence, "timeline": self.timeline}
 
-
-def evaluate_point(load: float, summary: dict, slo: SLO,
-                   preemption_threshold: float = DEFAULT_PREEMPTION_THRESHOLD) -> PointOutcome:
-    """Pass/fail of one measured load; ``summary`` from :func:`inflight.bench.stats.summarize`
-    with ``preemptions`` (counter growth over the point, or None if not exposed)."""
-    reasons = []
-    if summary.get("completed", 0) == 0:
-        reasons.append("no request completed")
-    if summary.get("failed", 0):
-        reasons.append(f"{summary['failed']} requests failed")
-    reasons += check_aggregate(summary, slo.aggregate)
-    pre = summary.get("preemptions")
-    done = summary.get("completed", 0)
-    if pre is not None and done and pre / done > preemption_threshold:
-        reasons.append(f"{pre / done:.2f} preemptions per request > {preemption_threshold:g}")
-    return PointOutcome(load, not reasons, reasons, summary)
+    @classmethod
+    def from_json(cls, d: dict) -> "PointOutcome":
+        return cls(d["load"], d["passed"], d["reasons"], d["summary"], d.get("evidence") or {}, d.get("timeline"))
 
 
 @dataclass
@@ -64,6 +47,19 @@ class SearchResult:
     limit: float | None  # highest passing load; None when even the lowest load failed
     bounded: bool  # False when the highest load tried still passed (limit is a lower bound)
     points: list[PointOutcome]
+
+    @property
+    def failed_above(self) -> float | None:
+        """The lowest failing load above the limit: the limit lies in [limit, failed_above)."""
+        if self.limit is None:
+            return None
+        above = [p.load for p in self.points if not p.passed and p.load > self.limit]
+        return min(above) if above else None
+
+    @property
+    def at_limit(self) -> PointOutcome | None:
+        """The passing point measured at the limit (its p95s are the recommendation's)."""
+        return next((p for p in self.points if p.passed and p.load == self.limit), None)
 
 
 Measure = Callable[[float], Awaitable[PointOutcome]]

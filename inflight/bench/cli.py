@@ -1,4 +1,4 @@
-"""``inflight bench serve | sweep | capacity``: the argument parser and the entry point.
+"""``inflight bench serve | sweep | capacity | tune``: the argument parser and the entry point.
 
 ``add_bench_parser(subparsers)`` adds the ``bench`` command to any argparse subparsers
 object; ``run_bench(args)`` runs what was parsed and returns the exit code:
@@ -13,13 +13,15 @@ import asyncio
 import json
 import math
 import os
+import signal
 import sys
 
 import httpx
 
 from inflight.bench.arrivals import PROCESSES
-from inflight.bench.capacity import DEFAULT_PREEMPTION_THRESHOLD
-from inflight.bench.commands import COMMANDS
+from inflight.bench import commands, tune
+from inflight.bench.confidence import DEFAULT_CONFIDENCE
+from inflight.bench.sustain import DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE
 from inflight.bench.datasets import BUILDERS, default_data_dir
 
 
@@ -70,8 +72,9 @@ def _common_parser() -> argparse.ArgumentParser:
                    help=f"folder of the data files (default $INFLIGHT_DATA_DIR or {default_data_dir()})")
     g.add_argument("--num-prompts", type=int, default=100, help="requests counted (default %(default)s)")
     g.add_argument("--num-warmups", type=int, default=0, help="uncounted requests sent first")
-    g.add_argument("--reset-prefix-cache", action="store_true",
-                   help="POST /reset_prefix_cache before each measured point (start cold)")
+    g.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="POST /reset_prefix_cache before each measured point, to start cold "
+                        "(default: on for capacity and tune, which re-send prompts at every load)")
     g.add_argument("--seed", type=int, default=0, help="seed of datasets and arrivals")
     g.add_argument("--input-len", "--random-input-len", "--sonnet-input-len", dest="input_len", type=int,
                    default=256, help="random/sonnet prompt tokens (default %(default)s)")
@@ -89,6 +92,9 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-input-len", type=int, default=None, help="trace: cap on prompt tokens (after scaling)")
     g.add_argument("--min-output-len", type=int, default=1)
     g.add_argument("--max-output-len", type=int, default=None, help="trace: cap on output tokens (after scaling)")
+    g.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None,
+                   help="trace: send the rows in a seeded random order (default: on, except with "
+                        "--arrival trace, where the order is the trace's time)")
     g.add_argument("--prefix-blocks", action=argparse.BooleanOptionalAction, default=True,
                    help="Mooncake: requests sharing hash_ids share prompt prefixes (default on)")
     g.add_argument("--chat-file", default="mt_bench", help="mt_bench, vicuna or a JSONL path")
@@ -105,25 +111,49 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--time-scale", type=float, default=1.0,
                    help="trace: multiplies trace times (2 = half the rate)")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    g.add_argument("--duration", type=float, default=None, metavar="S", help="stop sending after S seconds")
+    g.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="measurement window: the requests arriving during S seconds (and at least "
+                        "--num-prompts) are the sample, after a warm-up and followed by a cool-down "
+                        "(default: 60 for capacity and tune; none for serve and sweep, whose sample "
+                        "is the --num-prompts requests)")
+    g.add_argument("--warmup-duration", type=float, default=None, metavar="S",
+                   help="with --duration: uncounted arrivals before the window (default duration / 6)")
+    g.add_argument("--drain-timeout", type=float, default=None, metavar="S",
+                   help="with --duration: how long after the window the sample may take to finish, "
+                        "under continued arrivals; still unfinished then = censored (default duration / 2)")
 
     g = p.add_argument_group("output")
     g.add_argument("--slo", default=None,
                    help="targets, seconds or 'ms': ttft=,tpot=,itl=,e2e= per request (goodput); "
                         "ttft_p95=, itl_p99=, ... on the run's statistics")
+    g.add_argument("--confidence", type=_fraction, default=DEFAULT_CONFIDENCE,
+                   help="confidence of the SLO statistics' intervals; a windowed point passes on "
+                        "their upper ends (default %(default)s)")
     g.add_argument("--save-result", metavar="FILE.json", help="write the result as JSON")
     g.add_argument("--plot", metavar="FILE.png", help="write a plot")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
 
-def _server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server per value")
-    g.add_argument("--serve-cmd", metavar="TEMPLATE",
-                   help="start the server per value: a command with {value}, e.g. "
-                        "'inflight serve --port 8000 --max-num-seqs {value}'")
-    g.add_argument("--values", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
-                   help="comma-separated values substituted for {value}")
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError("must be between 0 and 1")
+    return v
+
+
+def _server_args(p: argparse.ArgumentParser, tune: bool = False) -> None:
+    g = p.add_argument_group("server per configuration")
+    if tune:
+        g.add_argument("--serve-cmd", metavar="COMMAND", required=True,
+                       help="the base server command, e.g. 'inflight serve --port 8000 --max-num-seqs 32'; "
+                            "each --knob value is set on it in turn")
+    else:
+        g.add_argument("--serve-cmd", metavar="TEMPLATE",
+                       help="start the server per value: a command with {value}, e.g. "
+                            "'inflight serve --port 8000 --max-num-seqs {value}'")
+        g.add_argument("--values", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
+                       help="comma-separated values substituted for {value}")
     g.add_argument("--server-start-timeout", type=float, default=600.0, metavar="S")
     g.add_argument("--server-stop-timeout", type=float, default=15.0, metavar="S",
                    help="wait after SIGINT before SIGTERM")
@@ -131,12 +161,12 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(subparsers) -> None:
-    """Add ``bench`` with sub-commands ``serve``, ``sweep`` and ``capacity`` to ``subparsers``."""
+    """Add ``bench`` with sub-commands ``serve``, ``sweep``, ``capacity`` and ``tune`` to ``subparsers``."""
     common = _common_parser()
     bench = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server",
                                   description="Load-test any OpenAI-compatible server.")
     bench.set_defaults(bench_command=None, _bench_parser=bench)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,capacity}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,capacity,tune}")
 
     sub.add_parser("serve", parents=[common], help="one run: latency percentiles, throughput, goodput",
                    description="Send a request mix at one load and report latencies and throughput.")
@@ -149,10 +179,30 @@ def add_bench_parser(subparsers) -> None:
     sweep.add_argument("--save-csv", metavar="FILE.csv", help="write one row per point")
     _server_args(sweep)
 
-    capacity = sub.add_parser("capacity", parents=[common], help="highest load meeting p95 SLOs",
+    capacity = sub.add_parser("capacity", parents=[common], help="highest sustained load meeting p95 SLOs",
                               description="Bracket and bisect the highest request rate (or smallest trace "
-                                          "time scale) at which the aggregate SLOs hold and nothing fails.")
-    g = capacity.add_argument_group("search")
+                                          "time scale) the server sustains while the aggregate SLOs hold "
+                                          "with confidence and nothing fails.")
+    _search_args(capacity)
+    capacity.add_argument("--report", metavar="DIR", help="write a report page (Markdown + PNGs) here")
+    _server_args(capacity)
+
+    tune = sub.add_parser("tune", parents=[common], help="one knob at a time: the operating limit per value",
+                          description="Vary one server knob at a time around a base command, find the "
+                                      "operating limit of each value, keep the best, move to the next "
+                                      "knob; report the recommended configuration. Resumable.")
+    tune.add_argument("--knob", action="append", required=True, metavar="NAME=V1,V2,...",
+                      help="a server flag and its values, e.g. max-num-seqs=8,16,32 (repeat for more "
+                           "knobs, tuned in the order given; on/off for a boolean flag)")
+    tune.add_argument("--report", metavar="DIR", default="tune-report",
+                      help="report page, plots and the resumable state (default %(default)s)")
+    tune.add_argument("--fresh", action="store_true", help="ignore saved points in --report and start over")
+    _search_args(tune)
+    _server_args(tune, tune=True)
+
+
+def _search_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("search")
     g.add_argument("--rate-start", type=_rate, default=1.0, help="first rate tried (req/s)")
     g.add_argument("--rate-min", type=_rate, default=0.05)
     g.add_argument("--rate-max", type=_rate, default=1000.0)
@@ -161,13 +211,24 @@ def add_bench_parser(subparsers) -> None:
     g.add_argument("--tolerance", type=float, default=0.1, help="stop when hi/lo <= 1 + tolerance")
     g.add_argument("--max-points", type=int, default=12, help="points per search")
     g.add_argument("--repeats", type=int, default=1, help="searches (seeds seed, seed+1, ...)")
+    g = p.add_argument_group("sustained load")
     g.add_argument("--preemption-threshold", type=float, default=DEFAULT_PREEMPTION_THRESHOLD,
                    help="fail a point above this many preemptions per completed request")
-    _server_args(capacity)
+    g.add_argument("--rate-tolerance", type=_fraction, default=DEFAULT_RATE_TOLERANCE,
+                   help="completed / offered rate over the window, at least (default %(default)s)")
+    g.add_argument("--queue-tolerance", type=float, default=DEFAULT_QUEUE_TOLERANCE,
+                   help="in-flight growth over the window's second half / its arrivals, at most "
+                        "(default %(default)s)")
+
+
+COMMANDS = {**commands.COMMANDS, "tune": tune.tune}
 
 
 def run_bench(args) -> int:
-    """Run the parsed ``bench`` sub-command; returns the process exit code."""
+    """Run the parsed ``bench`` sub-command; returns the process exit code.
+
+    SIGTERM cancels the run like Ctrl-C does, so servers it started are stopped (143).
+    """
     command = getattr(args, "bench_command", None)
     if command not in COMMANDS:
         parser = getattr(args, "_bench_parser", None)
@@ -175,7 +236,7 @@ def run_bench(args) -> int:
             parser.print_help(sys.stderr)
         return 2
     try:
-        return asyncio.run(COMMANDS[command](args))
+        return asyncio.run(_cancellable(COMMANDS[command](args)))
     except ValueError as e:
         print(f"inflight bench {command}: error: {e}", file=sys.stderr)
         return 2
@@ -184,3 +245,22 @@ def run_bench(args) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except asyncio.CancelledError:
+        print(f"inflight bench {command}: terminated; servers it started are stopped", file=sys.stderr)
+        return 143
+
+
+async def _cancellable(coro):
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+        pass
+    try:
+        return await task
+    finally:
+        try:
+            loop.remove_signal_handler(signal.SIGTERM)
+        except (NotImplementedError, RuntimeError):
+            pass

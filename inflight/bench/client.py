@@ -44,7 +44,10 @@ class RequestRecord:
     output_tokens: int | None = None  # from usage, else the number of token chunks
     output_tokens_from_usage: bool = False
     finish_reason: str | None = None
-    warmup: bool = False
+    warmup: bool = False  # not counted: session warm-ups and a windowed point's warm-up/cool-down
+    phase: str = "sample"  # session-warmup | warmup | sample | cooldown (see runner.run_point)
+    unfinished: bool = False  # a sample request the point ended before it finished
+    cancelled: bool = False  # a cool-down request cancelled once the sample was done
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -1,6 +1,7 @@
 """The ``bench`` sub-commands: ``serve`` (one run), ``sweep`` (runs over loads and server
-knob values) and ``capacity`` (the SLO operating limit). Each takes the parsed arguments
-and returns an exit code; the parser is in :mod:`inflight.bench.cli`."""
+knob values) and ``capacity`` (the SLO operating limit); ``tune`` is in
+:mod:`inflight.bench.tune`. Each takes the parsed arguments and returns an exit code; the
+parser is in :mod:`inflight.bench.cli`."""
 
 from __future__ import annotations
 
@@ -12,26 +13,41 @@ import shlex
 import sys
 from dataclasses import replace
 
-from inflight.bench import capacity as cap
 from inflight.bench.client import make_client
 from inflight.bench.datasets import DatasetConfig
 from inflight.bench.report import (format_summary, plot_capacity, plot_run, plot_sweep, point_row,
                                    write_csv, write_json)
-from inflight.bench.runner import (ArrivalConfig, LoadConfig, PointResult, Session, offsets_for,
-                                   open_session, records_json, run_point)
+from inflight.bench.limit import SearchSpace, find_limit, limit_line
+from inflight.bench.machine import describe_machine
+from inflight.bench.report_page import write_report
+from inflight.bench.runner import ArrivalConfig, LoadConfig, PointResult, Session, open_session, records_json, run_point
 from inflight.bench.server_proc import ServerProcess
 from inflight.bench.stats import SLO, parse_slo
+from inflight.bench.sustain import (DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE,
+                                    Thresholds, Verdict, evidence_lines, strictest_n_min)
+
+
+DEFAULT_WINDOW_S = {"capacity": 60.0, "tune": 60.0}  # --duration where a point must be a steady state
 
 
 def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
     """The run's configurations from parsed flags; ValueError on flags that contradict."""
+    command = getattr(args, "bench_command", None)
+    reset = args.reset_prefix_cache
+    if reset is None:
+        # A search re-sends the same prompts at every load: without a reset, later points
+        # would find them cached and skip their prefill.
+        reset = command in DEFAULT_WINDOW_S
     load = LoadConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint_type, api_key=args.api_key,
                       temperature=args.temperature, extra_body=args.extra_body,
                       request_timeout=args.request_timeout, max_concurrency=args.max_concurrency,
                       num_warmups=args.num_warmups, scrape_metrics=args.metrics,
-                      reset_prefix_cache=args.reset_prefix_cache,
+                      reset_prefix_cache=reset,
                       metrics_interval=args.metrics_interval, tokenize=args.tokenize,
                       tokenizer=args.tokenizer, progress=not args.disable_tqdm)
+    if args.shuffle and args.arrival == "trace":
+        raise ValueError("--shuffle would scramble the trace's arrival times; it needs a rate (--arrival poisson ...)")
+    shuffle = args.shuffle if args.shuffle is not None else (args.dataset == "trace" and args.arrival != "trace")
     dataset = DatasetConfig(name=args.dataset, num_prompts=args.num_prompts, seed=args.seed,
                             data_dir=args.data_dir, input_len=args.input_len, output_len=args.output_len,
                             range_ratio=args.range_ratio, prefix_len=args.prefix_len,
@@ -40,14 +56,31 @@ def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
                             min_input_len=args.min_input_len, max_input_len=args.max_input_len,
                             min_output_len=args.min_output_len, max_output_len=args.max_output_len,
                             prefix_blocks=args.prefix_blocks, chat_file=args.chat_file,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, shuffle=shuffle)
     if args.arrival == "poisson" and args.burstiness != 1.0:
         raise ValueError("--burstiness needs --arrival gamma")
     if args.arrival == "trace" and args.dataset != "trace":
         raise ValueError("--arrival trace needs --dataset trace")
+    slo = parse_slo(args.slo)
+    duration = args.duration if args.duration is not None else DEFAULT_WINDOW_S.get(command)
+    if duration is not None and not duration > 0:
+        raise ValueError("--duration must be > 0")
+    if duration is None and (args.warmup_duration is not None or args.drain_timeout is not None):
+        raise ValueError("--warmup-duration and --drain-timeout need --duration (a measurement window)")
+    min_requests = max(args.num_prompts, strictest_n_min(slo, args.confidence)) if duration else 0
     arrival = ArrivalConfig(process=args.arrival, rate=args.request_rate, burstiness=args.burstiness,
-                            time_scale=args.time_scale, seed=args.seed, duration=args.duration)
-    return load, dataset, arrival, parse_slo(args.slo)
+                            time_scale=args.time_scale, seed=args.seed, duration=duration,
+                            warmup_duration=args.warmup_duration, drain_timeout=args.drain_timeout,
+                            min_requests=min_requests)
+    return load, dataset, arrival, slo
+
+
+def thresholds(args) -> Thresholds:
+    """What a sustained point must show, from the flags (sustain.Thresholds' defaults)."""
+    return Thresholds(confidence=args.confidence,
+                      rate_tolerance=getattr(args, "rate_tolerance", DEFAULT_RATE_TOLERANCE),
+                      queue_tolerance=getattr(args, "queue_tolerance", DEFAULT_QUEUE_TOLERANCE),
+                      preemption_threshold=getattr(args, "preemption_threshold", DEFAULT_PREEMPTION_THRESHOLD))
 
 
 def _args_json(args) -> dict:
@@ -79,37 +112,65 @@ def _note_session(session: Session) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _maybe_server(args, value):
-    if not args.serve_cmd:
-        yield None
-        return
+async def _server(args, command: str, name=None):
+    """Start ``command`` as the server under test; stop it on exit, however the block ends."""
     log = None
     if args.server_log_dir:
         os.makedirs(args.server_log_dir, exist_ok=True)
-        log = os.path.join(args.server_log_dir, f"server-{value}.log")
-    proc = ServerProcess(args.serve_cmd, value, args.base_url, args.server_start_timeout,
-                         args.server_stop_timeout, log)
+        log = os.path.join(args.server_log_dir, f"server-{_safe(name)}.log")
+    proc = ServerProcess(command, args.base_url, args.server_start_timeout, args.server_stop_timeout, log)
     print(f"starting: {proc.command}", file=sys.stderr)
     async with proc:
         yield proc
     print(f"stopped (exit {proc.proc.returncode if proc.proc else None}); log: {proc.log_path}", file=sys.stderr)
 
 
+def _safe(name) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in str(name))[:120] or "server"
+
+
+@contextlib.asynccontextmanager
+async def _maybe_server(args, value):
+    if not args.serve_cmd:
+        yield None
+        return
+    async with _server(args, args.serve_cmd.replace("{value}", str(value)), value or "server") as proc:
+        yield proc
+
+
 def _values(args) -> list:
-    if args.serve_cmd and not args.values:
-        raise ValueError("--serve-cmd needs --values")
+    """The knob values to start ``--serve-cmd`` with; [None] for one server as given."""
     if args.values and not args.serve_cmd:
         raise ValueError("--values needs --serve-cmd")
+    if args.serve_cmd and "{value}" in args.serve_cmd and not args.values:
+        raise ValueError("--serve-cmd with {value} needs --values")
+    if args.values and "{value}" not in args.serve_cmd:
+        raise ValueError("--values needs {value} in --serve-cmd")
     return args.values or [None]
 
 
-def serve_result(args, session: Session, point: PointResult) -> dict:
+def serve_result(args, session: Session, point: PointResult, verdict: Verdict | None = None) -> dict:
     """The JSON document of one run: command, fixed conditions, aggregates, every request."""
     return {**_header(args, "serve"), "fixed": session.fixed(), "arrival": point.arrival.describe(),
-            "offered_rate": offered_rate([r.scheduled_time for r in point.records]),
+            "offered_rate": offered_rate([r.scheduled_time for r in point.records if r.phase == "sample"]),
             "prepare_seconds": session.prepare_seconds, "summary": point.summary,
+            "verdict": verdict.to_json() if verdict else None,
             "server_metrics": {"samples": point.metrics_samples, "counter_deltas": point.counters},
             "requests": records_json(point.records)}
+
+
+def _verdict(point: PointResult, slo: SLO, args) -> Verdict | None:
+    """The sustained-load verdict of a windowed point with aggregate SLOs, else None."""
+    if point.window is None or not slo.aggregate:
+        return None
+    return point.verdict(slo, thresholds(args))
+
+
+def _print_verdict(v: Verdict, file=None) -> None:
+    head = "sustained within the SLO" if v.passed else "NOT sustained: " + "; ".join(v.reasons)
+    print(f"verdict: {head}", file=file)
+    for line in evidence_lines(v.evidence):
+        print(f"    {line}", file=file)
 
 
 async def serve(args) -> int:
@@ -119,8 +180,11 @@ async def serve(args) -> int:
         _note_session(session)
         point = await run_point(session, arrival, slo)
     print(format_summary(point.summary))
+    verdict = _verdict(point, slo, args)
+    if verdict is not None:
+        _print_verdict(verdict)
     if args.save_result:
-        write_json(args.save_result, serve_result(args, session, point))
+        write_json(args.save_result, serve_result(args, session, point, verdict))
     if args.plot:
         plot_run(args.plot, point.records, point.metrics_samples,
                  title=f"{session.model}: {dataset.name}, {arrival.process} rate {args.request_rate:g}")
@@ -142,13 +206,19 @@ async def sweep(args) -> int:
                 for x in xs:
                     arrival = replace(base, **{key: x})
                     p = await run_point(session, arrival, slo)
-                    offered = offered_rate(offsets_for(session, arrival))
+                    verdict = _verdict(p, slo, args)
+                    sample = [r.scheduled_time for r in p.records if r.phase == "sample"]
+                    offered = offered_rate(sample)
                     row = point_row(p.summary, value=value, rate=offered if key == "time_scale" else x,
-                                    time_scale=x if key == "time_scale" else None, offered_rate=offered)
+                                    time_scale=x if key == "time_scale" else None, offered_rate=offered,
+                                    sustained=None if verdict is None else verdict.passed)
                     rows.append(row)
                     points.append({"value": value, "arrival": arrival.describe(), "summary": p.summary,
-                                   "fixed": session.fixed(), "server_counters": p.counters})
+                                   "fixed": session.fixed(), "server_counters": p.counters,
+                                   "verdict": verdict.to_json() if verdict else None})
                     print(_row_line(row), file=sys.stderr)
+                    if verdict is not None:
+                        _print_verdict(verdict, sys.stderr)
     _print_rows(rows)
     if args.save_result:
         write_json(args.save_result, {**_header(args, "sweep"), "slo": slo.to_json(), "rows": rows,
@@ -179,68 +249,62 @@ def _print_rows(rows: list[dict]) -> None:
         print(_row_line(r))
 
 
+def search_space(args, base: ArrivalConfig) -> SearchSpace:
+    """The capacity search over rates, or over 1 / time scale for trace replay."""
+    if base.process == "trace":
+        return SearchSpace(True, 1 / base.time_scale, 1 / args.time_scale_max, 1 / args.time_scale_min,
+                           args.tolerance, args.max_points, args.repeats)
+    return SearchSpace(False, args.rate_start, args.rate_min, args.rate_max, args.tolerance, args.max_points,
+                       args.repeats)
+
+
+def require_aggregate(slo: SLO) -> None:
+    if not slo.aggregate:
+        raise ValueError("an operating limit needs aggregate SLOs, e.g. --slo ttft_p95=1s,itl_p95=100ms")
+
+
+def connector(args, load: LoadConfig, dataset: DatasetConfig, stack: contextlib.AsyncExitStack,
+              command: str | None, value=None):
+    """A ``connect()`` for ``limit.find_limit``: start the server (``command``, if any) and
+    open the session on first use; ``stack`` closes both."""
+    async def connect() -> Session:
+        if command is not None:
+            await stack.enter_async_context(_server(args, command, value))
+        client = await stack.enter_async_context(make_client(timeout=load.request_timeout))
+        session = await open_session(load, dataset, client)
+        _note_session(session)
+        return session
+    return connect
+
+
 async def capacity(args) -> int:
     load, dataset, base, slo = configs(args)
-    if not slo.aggregate:
-        raise ValueError("capacity needs aggregate SLOs, e.g. --slo ttft_p95=1s,itl_p95=100ms")
-    by_scale = base.process == "trace"
-    if by_scale:
-        start, lo, hi = 1 / base.time_scale, 1 / args.time_scale_max, 1 / args.time_scale_min
-    else:
-        start, lo, hi = args.rate_start, args.rate_min, args.rate_max
-
-    def to_x(load_: float | None) -> float | None:
-        return None if load_ is None else (1 / load_ if by_scale else load_)
-
+    require_aggregate(slo)
+    space, th = search_space(args, base), thresholds(args)
+    machine_start = describe_machine()
     results = []
     for value in _values(args):
-        async with _maybe_server(args, value):
-            async with make_client(timeout=load.request_timeout) as client:
-                session = await open_session(load, dataset, client)
-                _note_session(session)
-                limits, curve, bounded = [], [], True
-                for rep in range(args.repeats):
-                    measure = _measure_fn(session, base, slo, args.preemption_threshold, by_scale, rep)
-                    res = await cap.search(measure, min(max(start, lo), hi), lo, hi, args.tolerance,
-                                           args.max_points)
-                    limits.append(to_x(res.limit))
-                    bounded &= res.bounded
-                    curve += [{**p.to_json(), "repeat": rep, "x": to_x(p.load)} for p in res.points]
-        sp = cap.spread(limits)
-        results.append({"value": value, "limits": limits, "spread": sp, "bounded": bounded,
-                        "fixed": session.fixed(), "curve": curve})
-        print(_capacity_line(value, sp, bounded, by_scale))
+        async with contextlib.AsyncExitStack() as stack:
+            command = args.serve_cmd.replace("{value}", str(value)) if args.serve_cmd else None
+            res = await find_limit(connector(args, load, dataset, stack, command, value or "server"), base, slo,
+                                   space, th,
+                                   label=value)
+            res.command = command
+        results.append(res)
+        print(limit_line(res, space.by_scale))
+    doc = {**_header(args, "capacity"), "machine": {"start": machine_start, "end": describe_machine()},
+           "slo": slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
+           "arrival": base.describe(), "thresholds": th.__dict__.copy(), "preemption_threshold": th.preemption_threshold,
+           "results": [r.to_json() for r in results]}
     if args.save_result:
-        write_json(args.save_result, {**_header(args, "capacity"), "slo": slo.to_json(),
-                                      "search": "time_scale" if by_scale else "rate",
-                                      "preemption_threshold": args.preemption_threshold, "results": results})
+        write_json(args.save_result, doc)
     if args.plot:
-        pts = [p for r in results for p in r["curve"]]
-        plot_capacity(args.plot, pts, slo, "1 / time scale" if by_scale else "request rate (req/s)")
-    return 0 if all(r["spread"]["found"] for r in results) else 1
-
-
-def _measure_fn(session: Session, base: ArrivalConfig, slo: SLO, threshold: float, by_scale: bool, rep: int):
-    async def measure(load_: float) -> cap.PointOutcome:
-        arrival = replace(base, seed=base.seed + rep,
-                          **({"time_scale": 1 / load_} if by_scale else {"rate": load_}))
-        p = await run_point(session, arrival, slo)
-        outcome = cap.evaluate_point(load_, p.summary, slo, threshold)
-        what = f"time_scale={1 / load_:.4g}" if by_scale else f"rate={load_:.4g}"
-        verdict = "pass" if outcome.passed else "FAIL: " + "; ".join(outcome.reasons)
-        print(f"  {what}: {verdict}", file=sys.stderr)
-        return outcome
-    return measure
-
-
-def _capacity_line(value, sp: dict, bounded: bool, by_scale: bool) -> str:
-    unit = "time scale" if by_scale else "req/s"
-    head = f"value={value}: " if value is not None else ""
-    if not sp["found"]:
-        return f"{head}no load met the SLO (lowest tried failed)"
-    bound = "" if bounded else " (a lower bound: the highest load tried still passed)"
-    return (f"{head}operating limit {sp['mean']:.4g} {unit} (std {sp['std']:.3g}, min {sp['min']:.4g}, "
-            f"max {sp['max']:.4g} over {sp['found']}/{sp['repeats']} repeats){bound}")
+        pts = [p for r in results for p in r.curve]
+        plot_capacity(args.plot, pts, slo, "1 / time scale" if space.by_scale else "request rate (req/s)")
+    if args.report:
+        path = write_report(args.report, doc)
+        print(f"report: {path}")
+    return 0 if all(r.spread["found"] for r in results) else 1
 
 
 COMMANDS = {"serve": serve, "sweep": sweep, "capacity": capacity}

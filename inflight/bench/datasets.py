@@ -12,7 +12,8 @@ Datasets (all reproducible from ``seed``):
 - ``trace``: the Azure LLM trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) or the
   Mooncake JSONL (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``):
   lengths from the trace (times ``length_scale``, clipped to the caps), arrival times kept
-  for ``--arrival trace``. Mooncake's ``hash_ids`` become shared text blocks, so requests
+  for ``--arrival trace``; with ``shuffle`` (the default under a rate) rows in a seeded
+  random order. Mooncake's ``hash_ids`` become shared text blocks, so requests
   that share prefix blocks in the trace share prompt prefixes here.
 - ``chat``: the first turn of the MT-Bench or Vicuna-Bench questions.
 
@@ -103,6 +104,7 @@ class DatasetConfig:
     prefix_blocks: bool = True  # Mooncake hash_ids -> shared prefix text
     chat_file: str = "mt_bench"  # mt_bench | vicuna | a path
     ignore_eos: bool | None = None  # None: True except for chat
+    shuffle: bool = False  # trace: rows in a seeded random order (a rate replays lengths, not times)
 
     def resolved_data_dir(self) -> pathlib.Path:
         return pathlib.Path(self.data_dir) if self.data_dir else default_data_dir()
@@ -219,10 +221,17 @@ def _ranged(rng: np.random.Generator, n: int, center: int, ratio: float) -> np.n
     return rng.integers(lo, hi + 1, size=n)
 
 
-async def build_random(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[RequestSpec]:
+def _continuation(rng: np.random.Generator, seed: int, start: int) -> np.random.Generator:
+    # Requests from ``start`` on: the first build continues the prefix's stream (so a mix of
+    # n requests is what it always was); an extension gets its own stream, same prefix.
+    return rng if start == 0 else np.random.default_rng([seed, start])
+
+
+async def build_random(cfg: DatasetConfig, counter: TokenCounter, n: int, start: int = 0) -> list[RequestSpec]:
     rng = np.random.default_rng(cfg.seed)
     vocab = sorted({w for ln in _sonnet_lines(cfg.resolved_data_dir()) for w in ln.split()})
     prefix = await _shared_prefix(counter, _random_words(vocab, rng, cfg.prefix_len + 16), cfg.prefix_len)
+    rng = _continuation(rng, cfg.seed, start)
     in_lens = _ranged(rng, n, cfg.input_len, cfg.range_ratio)
     out_lens = _ranged(rng, n, cfg.output_len, cfg.range_ratio)
     jobs = [(_random_words(vocab, rng, int(t) + 16), int(t), prefix) for t in in_lens]
@@ -231,8 +240,8 @@ async def build_random(cfg: DatasetConfig, counter: TokenCounter, n: int) -> lis
             for f, o in zip(fitted, out_lens)]
 
 
-async def build_sonnet(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[RequestSpec]:
-    rng = np.random.default_rng(cfg.seed)
+async def build_sonnet(cfg: DatasetConfig, counter: TokenCounter, n: int, start: int = 0) -> list[RequestSpec]:
+    rng = _continuation(np.random.default_rng(cfg.seed), cfg.seed, start)
     lines = _sonnet_lines(cfg.resolved_data_dir())
     prefix_words = " ".join(lines).split()
     prefix = await _shared_prefix(counter, prefix_words, cfg.prefix_len)
@@ -268,24 +277,38 @@ async def _tokens_per_word(counter: TokenCounter, lines: list[str]) -> float:
     return max(1e-6, (await counter.count(sample) - await counter.count("")) / max(1, len(sample.split())))
 
 
-async def build_trace(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[RequestSpec]:
-    rows = load_trace(cfg.trace_path(), cfg.trace_format)[cfg.trace_skip: cfg.trace_skip + n]
+def trace_rows(cfg: DatasetConfig, start: int, n: int) -> list[tuple[int, TraceRow]]:
+    """Rows ``start .. start + n - 1`` of the mix as (row number, row): the trace's own order
+    from ``trace_skip`` on, or, with ``shuffle``, a seeded permutation of those rows, so
+    the lengths of any stretch of the mix are a sample of the whole trace's (consecutive
+    rows of a real trace come in runs of similar requests)."""
+    rows = load_trace(cfg.trace_path(), cfg.trace_format)[cfg.trace_skip:]
+    idx = np.arange(len(rows))
+    if cfg.shuffle:
+        idx = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
+    return [(cfg.trace_skip + int(i), rows[int(i)]) for i in idx[start: start + n]]
+
+
+async def build_trace(cfg: DatasetConfig, counter: TokenCounter, n: int, start: int = 0) -> list[RequestSpec]:
+    numbered = trace_rows(cfg, start, n)
     lines = _sonnet_lines(cfg.resolved_data_dir())
     block_tokens = max(1, int(round(MOONCAKE_BLOCK_TOKENS * cfg.length_scale)))
     blocks = _BlockTexts(lines, cfg.seed, block_tokens, await _tokens_per_word(counter, lines))
     jobs = []
-    for i, row in enumerate(rows):
+    for number, row in numbered:
         in_len = scale_length(row.input_len, cfg.length_scale, cfg.min_input_len, cfg.max_input_len)
-        rng = np.random.default_rng([cfg.seed, cfg.trace_skip + i])
+        rng = np.random.default_rng([cfg.seed, number])
         if row.hash_ids and cfg.prefix_blocks:
             jobs.append(_block_prompt(counter, blocks, row.hash_ids, in_len, block_tokens))
         else:
             jobs.append(fit_prompt(counter, _random_line_words(lines, rng, in_len + 16), in_len))
     fitted = await asyncio.gather(*jobs)
     specs = []
-    for row, f in zip(rows, fitted):
+    for (number, row), f in zip(numbered, fitted):
         out_len = scale_length(row.output_len, cfg.length_scale, cfg.min_output_len, cfg.max_output_len)
         meta = {"trace_input_len": row.input_len, "trace_output_len": row.output_len}
+        if cfg.shuffle:
+            meta["trace_row"] = number
         if row.hash_ids is not None:
             meta["num_hash_blocks"] = len(row.hash_ids)
         specs.append(RequestSpec(f.text, None, f.num_tokens, out_len, cfg.effective_ignore_eos(),
@@ -314,11 +337,11 @@ def _load_chat(cfg: DatasetConfig) -> list[dict]:
         return [json.loads(ln) for ln in f if ln.strip()]
 
 
-async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[RequestSpec]:
+async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int, start: int = 0) -> list[RequestSpec]:
     questions = _load_chat(cfg)
     order = np.random.default_rng(cfg.seed).permutation(len(questions))
     specs = []
-    for i in range(n):
+    for i in range(start, start + n):
         q = questions[int(order[i % len(order)])]
         text = q["turns"][0]
         specs.append(RequestSpec(text, [{"role": "user", "content": text}], None, cfg.output_len,
@@ -330,11 +353,22 @@ async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int) -> list[
 BUILDERS = {"random": build_random, "sonnet": build_sonnet, "trace": build_trace, "chat": build_chat}
 
 
-async def build_dataset(cfg: DatasetConfig, counter: TokenCounter, n: int | None = None) -> list[RequestSpec]:
-    """``n`` (default ``cfg.num_prompts``) request specs of the configured dataset."""
+async def build_dataset(cfg: DatasetConfig, counter: TokenCounter, n: int | None = None,
+                        start: int = 0) -> list[RequestSpec]:
+    """``n`` (default ``cfg.num_prompts``) request specs of the configured dataset: items
+    ``start .. start + n - 1`` of its stream, so a mix can be extended without rebuilding it
+    (trace rows continue; random and sonnet draw the extension from their own seeded stream
+    behind the same shared prefix; chat keeps cycling its questions)."""
     if cfg.name not in BUILDERS:
         raise ValueError(f"unknown dataset {cfg.name!r} ({', '.join(BUILDERS)})")
-    return await BUILDERS[cfg.name](cfg, counter, cfg.num_prompts if n is None else n)
+    return await BUILDERS[cfg.name](cfg, counter, cfg.num_prompts if n is None else n, start)
+
+
+def trace_length(cfg: DatasetConfig) -> int | None:
+    """Rows a trace dataset can still give after ``trace_skip`` (None for other datasets)."""
+    if cfg.name != "trace":
+        return None
+    return max(0, len(load_trace(cfg.trace_path(), cfg.trace_format)) - cfg.trace_skip)
 
 
 def summarize_specs(specs: Sequence[RequestSpec]) -> dict:

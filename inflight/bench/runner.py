@@ -16,12 +16,13 @@ from typing import Sequence
 
 import httpx
 
-from inflight.bench import arrivals
 from inflight.bench.client import RequestRecord, auth_headers, build_payload, endpoint_path, stream_request
-from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs
+from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs, trace_length
 from inflight.bench.metrics_scrape import Scraper, Snapshot, counter_deltas
-from inflight.bench.prompts import make_counter
+from inflight.bench.prompts import TokenCounter, make_counter
 from inflight.bench.stats import SLO, summarize
+from inflight.bench.schedule import plan_point
+from inflight.bench.sustain import Thresholds, Verdict, Window, judge
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +50,32 @@ class LoadConfig:
 
 @dataclass
 class ArrivalConfig:
-    """When requests are sent: a process and its rate, or the trace's times scaled."""
+    """When requests are sent: a process and its rate, or the trace's times scaled; and,
+    with ``duration``, the measurement window of a steady-state point (see ``run_point``)."""
 
     process: str = "poisson"  # poisson | gamma | constant | trace
     rate: float = math.inf  # requests/s
     burstiness: float = 1.0
     time_scale: float = 1.0  # trace only
     seed: int = 0
-    duration: float | None = None  # stop sending after this many seconds
+    duration: float | None = None  # window (s); None: the mix's requests, sent once, are the sample
+    warmup_duration: float | None = None  # s of uncounted arrivals before the window; None: duration / 6
+    drain_timeout: float | None = None  # s after the window for the sample to end; None: duration / 2
+    min_requests: int = 0  # the window stretches until at least this many requests arrived in it
 
     def describe(self) -> dict:
         d = dict(self.__dict__)
         d["rate"] = "inf" if math.isinf(self.rate) else self.rate
+        if self.duration is not None:
+            d["warmup_duration"], d["drain_timeout"] = self.phases()
         return d
+
+    def phases(self) -> tuple[float, float]:
+        """(warm-up seconds, drain timeout seconds) of a windowed point."""
+        assert self.duration is not None
+        warm = self.duration / 6 if self.warmup_duration is None else self.warmup_duration
+        drain = self.duration / 2 if self.drain_timeout is None else self.drain_timeout
+        return warm, drain
 
 
 @dataclass
@@ -77,7 +91,23 @@ class Session:
     server_models: list[dict]
     server_info: dict
     prepare_seconds: float
+    counter: TokenCounter | None = None
     warmed_up: bool = False
+
+    async def ensure_specs(self, n: int) -> int:
+        """Extend the mix to at least ``n`` requests (new ones continue the dataset's
+        stream); returns how many there are, fewer only where a trace runs out."""
+        have = len(self.specs)
+        if n <= have:
+            return have
+        start = len(self.warmups) + have
+        room = trace_length(self.dataset)
+        want = n - have if room is None else min(n - have, room - start)
+        if want > 0:
+            if self.counter is None:
+                raise RuntimeError("this session cannot extend its request mix (no token counter)")
+            self.specs += await build_dataset(self.dataset, self.counter, want, start=start)
+        return len(self.specs)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -95,6 +125,8 @@ class Session:
             "tokenizer": self.tokenizer_mode,
             "temperature": self.load.temperature,
             "extra_body": self.load.extra_body,
+            "length_samples": {"prompt_len": [s.prompt_len for s in self.specs],
+                               "max_tokens": [s.output_len for s in self.specs]},
             "cache_state": {"warmup_requests": len(self.warmups),
                             "reset_prefix_cache": self.load.reset_prefix_cache,
                             "shared_prefix_tokens": self.dataset.prefix_len
@@ -107,12 +139,13 @@ class Session:
 @dataclass
 class PointResult:
     arrival: ArrivalConfig
-    records: list[RequestRecord]
-    summary: dict
+    records: list[RequestRecord]  # every request sent in the point, all phases
+    summary: dict  # over the sample (the window's arrivals, or the whole mix)
     metrics_samples: list[dict]
     metrics_before: Snapshot | None
     metrics_after: Snapshot | None
     started_at: float  # time.time() at t = 0
+    window: Window | None = None
 
     @property
     def counters(self) -> dict[str, float]:
@@ -124,6 +157,12 @@ class PointResult:
             return None
         b, a = self.metrics_before.get("preemptions"), self.metrics_after.get("preemptions")
         return None if a is None or b is None else a - b
+
+    def verdict(self, slo: SLO, thresholds: Thresholds | None = None) -> Verdict:
+        """Whether this windowed point's load was sustained within ``slo`` (sustain.judge)."""
+        if self.window is None:
+            raise ValueError("a point without a measurement window (--duration) has no verdict")
+        return judge(self.records, self.window, slo, self.preemptions, thresholds, self.metrics_samples)
 
 
 async def _server_models(client: httpx.AsyncClient, base_url: str, headers: dict) -> list[dict]:
@@ -158,12 +197,7 @@ async def open_session(load: LoadConfig, dataset: DatasetConfig, client: httpx.A
                    tokenizer_mode="none" if dataset.name == "chat" else counter.mode,
                    specs=all_specs[load.num_warmups:], warmups=all_specs[: load.num_warmups],
                    server_models=models, server_info=info.info if info else {},
-                   prepare_seconds=time.perf_counter() - t)
-
-
-def offsets_for(session: Session, arrival: ArrivalConfig) -> list[float]:
-    return arrivals.make_offsets(len(session.specs), arrival.process, arrival.rate, arrival.burstiness,
-                                 arrival.seed, [s.trace_time for s in session.specs], arrival.time_scale)
+                   prepare_seconds=time.perf_counter() - t, counter=counter)
 
 
 async def _send(session: Session, spec: RequestSpec, record: RequestRecord, clock) -> RequestRecord:
@@ -182,7 +216,7 @@ async def warm_up(session: Session) -> None:
         return
     t0 = time.perf_counter()
     clock = lambda: time.perf_counter() - t0  # noqa: E731
-    await asyncio.gather(*(_send(session, s, RequestRecord(i, 0.0, warmup=True), clock)
+    await asyncio.gather(*(_send(session, s, RequestRecord(i, 0.0, warmup=True, phase="session-warmup"), clock)
                            for i, s in enumerate(session.warmups)))
     session.warmed_up = True
 
@@ -216,55 +250,94 @@ async def wait_idle(session: Session, timeout: float = 30.0) -> None:
 
 
 async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None) -> PointResult:
-    """Send the session's mix on ``arrival``'s schedule; return records and summary.
+    """Send the session's mix on ``arrival``'s schedule (``plan_point``); return every
+    record, the summary over the sample, and the scraped server metrics.
 
-    Requests are sent at their offsets (the first at t = 0), wait for a slot under
-    ``max_concurrency``, and stop being sent once an offset passes ``duration``; requests
-    already sent run to completion, each bounded by ``request_timeout``.
+    Requests are sent at their offsets (the first at t = 0) and wait for a slot under
+    ``max_concurrency``; each is bounded by ``request_timeout``. Without a window every
+    request runs to its end. With one, cool-down arrivals keep the load on until every
+    sample request has ended; then the cool-down requests still running are cancelled
+    (``cancelled``: the client disconnects, so the server aborts them). Sample requests
+    still running at the window's deadline are cancelled too and marked ``unfinished``.
     """
     await warm_up(session)
     await wait_idle(session)
     if session.load.reset_prefix_cache:
         await reset_prefix_cache(session)
-    offsets = offsets_for(session, arrival)
-    if arrival.duration is not None:
-        offsets = [o for o in offsets if o <= arrival.duration]
+    slots, window = await plan_point(session, arrival)
     scraper = Scraper(session.client, session.load.base_url, session.headers)
     before = await scraper.scrape() if session.load.scrape_metrics else None
     sem = asyncio.Semaphore(session.load.max_concurrency) if session.load.max_concurrency else None
-    bar = _progress(len(offsets), session.load.progress)
+    bar = _progress(sum(1 for s in slots if s.phase == "sample"), session.load.progress)
     stop = asyncio.Event()
     started_at, t0 = time.time(), time.perf_counter()
     clock = lambda: time.perf_counter() - t0  # noqa: E731
     scrape_task = (asyncio.create_task(scraper.run(stop, session.load.metrics_interval, t0))
                    if before is not None else None)
 
-    async def one(i: int, spec: RequestSpec, offset: float) -> RequestRecord:
-        record = RequestRecord(i, offset)
-        if sem is None:
-            await _send(session, spec, record, clock)
-        else:
-            async with sem:
+    async def one(record: RequestRecord, spec: RequestSpec) -> RequestRecord:
+        try:
+            if sem is None:
                 await _send(session, spec, record, clock)
-        if bar is not None:
+            else:
+                async with sem:
+                    await _send(session, spec, record, clock)
+        except asyncio.CancelledError:
+            # Ours, not the caller's: the point is over for this request (see the doc).
+            record.end_time, record.success = clock(), False
+            record.unfinished = record.phase == "sample"
+            record.cancelled = not record.unfinished
+            record.error = ("unfinished when the point ended" if record.unfinished
+                            else "cancelled after the sample ended")
+            if record.send_time == 0.0 and not record.chunk_times:
+                record.send_time = record.end_time
+        if bar is not None and record.phase == "sample":
             bar.update(1)
         return record
 
-    tasks = []
-    for i, (spec, offset) in enumerate(zip(session.specs, offsets)):
-        delay = offset - clock()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, spec, offset)))
-    records = list(await asyncio.gather(*tasks))
+    records: list[RequestRecord] = []
+    sample_tasks: list[asyncio.Task] = []
+    other_tasks: list[asyncio.Task] = []
+    all_sample_sent = asyncio.Event()
+
+    async def sender() -> None:
+        last_sample = max((i for i, s in enumerate(slots) if s.phase == "sample"), default=-1)
+        for i, slot in enumerate(slots):
+            delay = slot.offset - clock()
+            if slot.phase == "cooldown" and sample_tasks and all(t.done() for t in sample_tasks):
+                break
+            if delay > 0:
+                await asyncio.sleep(delay)
+            record = RequestRecord(i, slot.offset, warmup=slot.phase != "sample", phase=slot.phase)
+            records.append(record)
+            task = asyncio.create_task(one(record, slot.spec))
+            (sample_tasks if slot.phase == "sample" else other_tasks).append(task)
+            if i == last_sample:
+                all_sample_sent.set()
+        all_sample_sent.set()
+
+    send_task = asyncio.create_task(sender())
+    if window is None:
+        await send_task
+        await asyncio.gather(*sample_tasks)
+    else:
+        await all_sample_sent.wait()
+        left = window.deadline - clock()
+        if sample_tasks and left > 0:
+            await asyncio.wait(sample_tasks, timeout=left)
+        send_task.cancel()
+        for t in sample_tasks + other_tasks:
+            t.cancel()  # a no-op on finished tasks; cancels the unfinished and the cool-down
+        await asyncio.gather(send_task, *sample_tasks, *other_tasks, return_exceptions=True)
     stop.set()
     if scrape_task is not None:
         await scrape_task
     after = await scraper.scrape() if before is not None else None
     if bar is not None:
         bar.close()
+    records.sort(key=lambda r: r.index)
     summary = summarize(records, slo)
-    result = PointResult(arrival, records, summary, scraper.samples, before, after, started_at)
+    result = PointResult(arrival, records, summary, scraper.samples, before, after, started_at, window)
     summary["preemptions"] = result.preemptions
     # Growth of every server counter (prefix-cache hits, tokens, ...): the cache state a
     # point ran under, recorded next to its latencies.

@@ -2,27 +2,52 @@
 
 The command runs in its own process group so a wrapper script and its children stop
 together. Stop is SIGINT (a clean shutdown), then SIGTERM, then SIGKILL, each bounded.
+
+A benchmark must never leave its server behind. Besides the ``async with`` exit (which also
+runs when the bench is cancelled, as ``run_bench`` does on SIGTERM), every started server
+is stopped at interpreter exit, and on Linux the server's own process is asked to receive
+SIGTERM when the bench process dies, even by SIGKILL (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import ctypes
 import os
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
 import httpx
 
+_RUNNING: set["ServerProcess"] = set()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: a failure here must not stop the exec.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+@atexit.register
+def _stop_all() -> None:
+    for proc in list(_RUNNING):
+        proc.stop()
+
 
 class ServerProcess:
-    """A server started from ``template.format(value=...)`` and ready when /health says 200."""
+    """A server started from ``command`` and ready when ``GET {base_url}/health`` says 200."""
 
-    def __init__(self, template: str, value: str, base_url: str, start_timeout: float = 600.0,
+    def __init__(self, command: str, base_url: str, start_timeout: float = 600.0,
                  stop_timeout: float = 15.0, log_path: str | None = None) -> None:
-        self.command = template.replace("{value}", str(value))
+        self.command = command
         self.base_url = base_url.rstrip("/")
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
@@ -45,7 +70,9 @@ class ServerProcess:
                 raise RuntimeError(f"a server already answers at {self.base_url}; stop it or change --base-url")
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(shlex.split(self.command), stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            _RUNNING.add(self)
             try:
                 await self._wait_healthy(client)
             except BaseException:
@@ -69,6 +96,7 @@ class ServerProcess:
         """Stop the server's process group; returns its exit code (None if it never started)."""
         if self.proc is None:
             return None
+        _RUNNING.discard(self)
         for sig, wait in ((signal.SIGINT, self.stop_timeout), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if self.proc.poll() is not None:
                 break

@@ -211,7 +211,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict:
 
     summary = {
         "completed": len(ok),
-        "failed": len(counted) - len(ok),
+        "failed": len(counted) - len(ok),  # unfinished ones included
+        "unfinished": sum(1 for r in counted if r.unfinished),
         "duration": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,

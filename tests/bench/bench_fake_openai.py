@@ -180,18 +180,32 @@ class FakeServer:
 
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
+        self._server.force_exit = True  # do not wait for streams a test left behind
         self._thread.join(timeout=10)
         self._sock.close()
+
+
+def queueing_plan(service: float, slots: int = 1, ttft: float = 0.0) -> PlanFn:
+    """A server with a known service rate, ``slots / service`` requests/s: each request holds
+    one of ``slots`` for ``service`` seconds (first come, first served), then streams its
+    tokens after a further ``ttft`` seconds."""
+    sem = asyncio.Semaphore(slots)
+
+    async def plan(body: dict, index: int) -> Plan:
+        async with sem:
+            await asyncio.sleep(service)
+        return Plan(ttft=ttft, gaps=[0.0] * max(0, int(body.get("max_tokens", 4)) - 1))
+    return plan
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--ttft", type=float, default=0.0)
+    ap.add_argument("--service", type=float, default=0.0, help="s a request holds a slot")
+    ap.add_argument("--slots", type=int, default=1)
     args = ap.parse_args()
-
-    async def plan(body: dict, index: int) -> Plan:
-        return Plan(ttft=args.ttft, gaps=[0.0] * max(0, int(body.get("max_tokens", 4)) - 1))
+    plan = queueing_plan(args.service, args.slots, args.ttft)
 
     uvicorn.run(make_app(ServerState(plan=plan)), host="127.0.0.1", port=args.port, log_level="warning")
 

@@ -112,8 +112,9 @@ def test_capacity_cli(fake_server, data_dir, tmp_path, capsys):
         return Plan(ttft=0.0, gaps=[0.0])
     srv = fake_server(ServerState(plan=plan, preemptions_per_request=2.0))
     out, png = tmp_path / "c.json", tmp_path / "c.png"
-    rc = main(["capacity", *common(srv.base_url, data_dir), "--num-prompts", "3", "--arrival", "constant",
-               "--slo", "ttft_p95=1s", "--rate-start", "50", "--rate-max", "100", "--max-points", "3",
+    window = ["--duration", "0.3", "--warmup-duration", "0.1", "--drain-timeout", "0.5", "--tokenize", "approx"]
+    rc = main(["capacity", *common(srv.base_url, data_dir), *window, "--num-prompts", "6", "--arrival", "constant",
+               "--slo", "ttft_p50=1s", "--rate-start", "50", "--rate-max", "100", "--max-points", "3",
                "--save-result", str(out), "--plot", str(png)])
     # Every point thrashes (2 preemptions per request > 1): no load passes.
     assert rc == 1
@@ -121,10 +122,12 @@ def test_capacity_cli(fake_server, data_dir, tmp_path, capsys):
     result = json.loads(out.read_text())
     curve = result["results"][0]["curve"]
     assert len(curve) == 3 and all("preemptions per request" in p["reasons"][0] for p in curve)
+    assert all(p["evidence"]["causes"] == ["preemption"] for p in curve)
     assert result["preemption_threshold"] == 1.0 and png.exists()
+    assert result["arrival"]["duration"] == 0.3 and result["arrival"]["min_requests"] == 6
 
-    rc = main(["capacity", *common(srv.base_url, data_dir), "--num-prompts", "3", "--arrival", "constant",
-               "--slo", "ttft_p95=1s", "--rate-start", "50", "--rate-max", "100", "--max-points", "2",
+    rc = main(["capacity", *common(srv.base_url, data_dir), *window, "--num-prompts", "6", "--arrival", "constant",
+               "--slo", "ttft_p50=1s", "--rate-start", "50", "--rate-max", "100", "--max-points", "2",
                "--preemption-threshold", "inf", "--repeats", "2", "--save-result", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())["results"][0]

@@ -7,11 +7,12 @@ import json
 import os
 import pathlib
 
+import numpy as np
 import pytest
 from bench_fake_openai import toy_count
 
 from inflight.bench.datasets import (DatasetConfig, build_dataset, default_data_dir, load_trace,
-                                     scale_length, summarize_specs)
+                                     scale_length, summarize_specs, trace_rows)
 from inflight.bench.prompts import WordCounter, fit_prompt, load_local_tokenizer
 
 
@@ -157,3 +158,37 @@ def test_data_dir_override(tmp_path):
     assert set(" ".join(s.prompt for s in specs).split()) <= {"alpha", "beta", "gamma", "delta", "epsilon",
                                                               "a", "the", "and", "of", "to", "I", "in", "it"}
     assert os.fspath(c.resolved_data_dir()) == str(tmp_path)
+
+
+def test_extending_a_mix_continues_it(data_dir):
+    """A window needs more requests than the first build: extensions continue the stream."""
+    counter = ToyCounter()
+    for cfg in (DatasetConfig(name="trace", length_scale=1 / 64, data_dir=str(data_dir)),
+                DatasetConfig(name="trace", length_scale=1 / 64, shuffle=True, seed=3, data_dir=str(data_dir))):
+        whole = asyncio.run(build_dataset(cfg, counter, 20))
+        parts = asyncio.run(build_dataset(cfg, counter, 8)) + asyncio.run(build_dataset(cfg, counter, 12, start=8))
+        assert [(s.prompt, s.output_len) for s in parts] == [(s.prompt, s.output_len) for s in whole]
+    cfg = DatasetConfig(name="random", input_len=12, output_len=3, prefix_len=5, data_dir=str(data_dir))
+    first = asyncio.run(build_dataset(cfg, counter, 6))
+    more = asyncio.run(build_dataset(cfg, counter, 6, start=6))
+    assert asyncio.run(build_dataset(cfg, counter, 6)) == first  # the first build is what it always was
+    prefix = first[0].prompt.split("\n")[0]
+    assert all(s.prompt.startswith(prefix + "\n") for s in first + more)  # one shared prefix
+    assert {s.prompt for s in first}.isdisjoint({s.prompt for s in more})
+
+
+def test_shuffled_trace_samples_the_whole_trace(data_dir):
+    """Consecutive Azure rows come in runs of similar sizes; a rate-driven replay takes them
+    in a seeded random order, so any stretch of the mix is a sample of the whole trace."""
+    rows = load_trace(data_dir / "azure_llm_2023_conv_1815-1900.csv")
+    cfg = DatasetConfig(name="trace", shuffle=True, seed=0, data_dir=str(data_dir))
+    picked = trace_rows(cfg, 0, 2000)
+    numbers = [n for n, _ in picked]
+    assert len(set(numbers)) == 2000 and numbers != sorted(numbers)
+    assert all(rows[n] == r for n, r in picked)
+    assert trace_rows(cfg, 0, 2000) == picked  # seeded
+    whole = np.mean([r.input_len for r in rows])
+    head = np.mean([r.input_len for _, r in picked[:500]])
+    # Standard error of a 500-row mean: sd / sqrt(500) ~ 5 % of the mean here.
+    assert abs(head - whole) < 0.15 * whole
+    assert trace_rows(DatasetConfig(name="trace", data_dir=str(data_dir)), 0, 3) == [(i, rows[i]) for i in range(3)]

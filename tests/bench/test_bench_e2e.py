@@ -11,6 +11,7 @@ import asyncio
 import math
 
 import numpy as np
+import pytest
 from bench_fake_openai import Plan, ServerState, toy_count
 
 from inflight.bench.client import make_client
@@ -107,12 +108,36 @@ def test_concurrency_cap_warmups_and_failures(fake_server, data_dir):
     assert s["preemptions"] == 4.5
 
 
-def test_duration_bounds_the_run(fake_server, data_dir):
+def test_measurement_window_phases(fake_server, data_dir):
     srv = fake_server()
-    ds = DatasetConfig(name="random", num_prompts=30, input_len=4, output_len=1, data_dir=str(data_dir))
-    _, point = run(srv.base_url, ds, ArrivalConfig(process="constant", rate=20.0, duration=0.5))
-    assert len(point.records) == 11  # offsets 0, 0.05, ..., 0.5
-    assert point.summary["completed"] == 11
+    ds = DatasetConfig(name="random", num_prompts=5, input_len=4, output_len=1, data_dir=str(data_dir))
+    arrival = ArrivalConfig(process="constant", rate=20.0, duration=0.5, warmup_duration=0.1, drain_timeout=0.5)
+    _, point = run(srv.base_url, ds, arrival)
+    phases = [r.phase for r in point.records]
+    # Offsets 0, 0.05, ...: two before the window, ten in [0.1, 0.6), then cool-down, which
+    # stops (and is cancelled) once the sample has ended.
+    assert phases[:12] == ["warmup"] * 2 + ["sample"] * 10 and set(phases[12:]) <= {"cooldown"}
+    assert (point.window.start, point.window.end, point.window.deadline) == (0.1, 0.6, 1.1)
+    assert point.summary["completed"] == 10 and point.summary["failed"] == 0
+    assert all(r.success or r.cancelled for r in point.records)
+    # At least --num-prompts (min_requests): the window stretches to the 15th arrival.
+    _, point = run(srv.base_url, ds, ArrivalConfig(**{**arrival.__dict__, "min_requests": 15}))
+    sample = [r for r in point.records if r.phase == "sample"]
+    assert len(sample) == 15 and point.window.end == pytest.approx(0.1 + 15 / 20)
+
+
+def test_unfinished_sample_requests_end_at_the_deadline(fake_server, data_dir):
+    async def plan(body, i):
+        return Plan(ttft=0.0, gaps=[5.0] if i == 3 else [0.0])  # request 3 streams for 5 s
+    srv = fake_server(ServerState(plan=plan))
+    ds = DatasetConfig(name="random", num_prompts=5, input_len=4, output_len=2, data_dir=str(data_dir))
+    arrival = ArrivalConfig(process="constant", rate=20.0, duration=0.5, warmup_duration=0.1, drain_timeout=0.3)
+    _, point = run(srv.base_url, ds, arrival)
+    slow = point.records[3]
+    assert slow.phase == "sample" and slow.unfinished and not slow.success
+    assert slow.end_time == pytest.approx(0.9, abs=0.1)  # the deadline: window end 0.6 + 0.3
+    assert point.summary["unfinished"] == 1 and point.summary["completed"] == 9
+    assert not any(r.unfinished for r in point.records if r.index != 3)
 
 
 def test_approx_tokenizer_without_tokenize_endpoint(fake_server, data_dir):

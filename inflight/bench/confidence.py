@@ -1,0 +1,211 @@
+"""Confidence intervals for the statistics an SLO is written on (p95 TTFT, p99 ITL, ...).
+
+A p95 from 30 requests is one draw of a noisy estimate: with 30 values its 95 % interval
+reaches the sample maximum, and a load can "pass" on luck. So an SLO is checked on the
+upper end of the statistic's interval, and a sample too small to bound it cannot pass.
+
+- Per-request metrics (TTFT, TPOT, E2E: one value per request) use the distribution-free
+  order-statistic interval for a quantile (Hahn & Meeker, *Statistical Intervals*, 1991,
+  sec. 5.2): with ``B ~ Binomial(n, q)``, the interval ``[x_(l), x_(u)]`` covers the
+  q-quantile with probability ``P(l <= B < u)``. ``l`` and ``u`` are chosen equal-tailed.
+  When ``u > n`` the sample cannot bound the quantile from above: for q = 0.95 at 95 %
+  confidence that takes ``n >= 72`` (``min_sample_size``).
+- Pooled metrics (ITL: every gap of every request) are not independent values: the gaps of
+  one request share its batch. Their interval is a cluster bootstrap over requests
+  (Davison & Hinkley, *Bootstrap Methods*, 1997, sec. 3.8): resample whole requests, pool
+  their gaps, take the statistic; the percentile interval of ``resamples`` replicates.
+- Means use the normal approximation, ``mean +/- z * sd / sqrt(n)``.
+
+Values may be ``inf``: a request the point ended before it finished has an unbounded TTFT
+or E2E (it is censored, not dropped), and the order statistics carry it as the largest.
+Both methods assume the requests of a steady-state window are exchangeable; requests close
+in time share queue states, so the intervals are somewhat narrower than the truth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+STAT_QUANTILES = {"p50": 0.50, "median": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99}
+DEFAULT_CONFIDENCE = 0.95
+BOOTSTRAP_RESAMPLES = 400
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A statistic's estimate and its two-sided confidence interval (same unit as the data).
+
+    ``hi`` is ``inf`` when the sample is too small to bound the statistic (``n < n_min``) or
+    when censored values reach the interval's upper order statistic.
+    """
+
+    stat: str
+    estimate: float
+    lo: float
+    hi: float
+    n: int  # sample size: requests (per-request metrics and pooled ones alike)
+    n_min: int  # smallest n for which hi can be finite
+    confidence: float
+    method: str  # order-statistic | cluster-bootstrap | normal | sample-max
+
+    @property
+    def bounded(self) -> bool:
+        return self.n >= self.n_min and math.isfinite(self.hi)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _log_binom_pmf(n: int, q: float) -> np.ndarray:
+    k = np.arange(n + 1)
+    lg = math.lgamma(n + 1) - np.array([math.lgamma(i + 1) + math.lgamma(n - i + 1) for i in k])
+    with np.errstate(divide="ignore"):
+        return lg + k * math.log(q) + (n - k) * math.log1p(-q)
+
+
+def binom_cdf(n: int, q: float) -> np.ndarray:
+    """``P(B <= k)`` for ``k = 0..n``, ``B ~ Binomial(n, q)``, ``0 < q < 1``."""
+    return np.minimum(np.cumsum(np.exp(_log_binom_pmf(n, q))), 1.0)
+
+
+def min_sample_size(q: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
+    """Smallest n whose order-statistic interval for the q-quantile has a finite upper end:
+    ``1 - q**n >= 1 - alpha / 2``. 72 for q = 0.95, 368 for q = 0.99 (95 % confidence)."""
+    alpha = 1.0 - confidence
+    return max(1, math.ceil(math.log(alpha / 2) / math.log(q)))
+
+
+def n_min_for(stat: str, confidence: float = DEFAULT_CONFIDENCE) -> int:
+    """Requests a statistic needs before its interval can have a finite upper end."""
+    if stat in STAT_QUANTILES:
+        return min_sample_size(STAT_QUANTILES[stat], confidence)
+    return 2 if stat == "mean" else 1
+
+
+def order_ranks(n: int, q: float, confidence: float = DEFAULT_CONFIDENCE) -> tuple[int, int]:
+    """1-based ranks ``(l, u)`` of the equal-tailed interval ``[x_(l), x_(u)]``; ``l = 0``
+    means unbounded below and ``u = n + 1`` unbounded above."""
+    alpha = 1.0 - confidence
+    cdf = binom_cdf(n, q)  # cdf[k] = P(B <= k)
+    # l: the largest rank with P(B < l) <= alpha / 2; u: the smallest with P(B < u) >= 1 - alpha / 2.
+    below = np.nonzero(cdf <= alpha / 2)[0]
+    lo = int(below[-1]) + 1 if below.size else 0
+    above = np.nonzero(cdf >= 1 - alpha / 2)[0]
+    hi = int(above[0]) + 1 if above.size else n + 1
+    return lo, min(hi, n + 1)
+
+
+def sample_quantile(values: Sequence[float], q: float) -> float:
+    """numpy's default (linear) quantile, with ``inf`` values sorted last: a position at or
+    beyond the first ``inf`` is ``inf``. ``nan`` for no values."""
+    a = np.sort(np.asarray(values, dtype=float))
+    if a.size == 0:
+        return math.nan
+    pos = q * (a.size - 1)
+    i = int(math.floor(pos))
+    frac = pos - i
+    if frac == 0 or i + 1 >= a.size:
+        return float(a[i])
+    if math.isinf(a[i + 1]):
+        return math.inf
+    return float(a[i] + frac * (a[i + 1] - a[i]))
+
+
+def quantile_interval(values: Sequence[float], q: float, confidence: float = DEFAULT_CONFIDENCE,
+                      stat: str | None = None) -> Interval:
+    """Order-statistic interval of the q-quantile of one value per request."""
+    a = np.sort(np.asarray(values, dtype=float))
+    n = int(a.size)
+    n_min = min_sample_size(q, confidence)
+    name = stat or f"p{q * 100:g}"
+    if n == 0:
+        return Interval(name, math.nan, math.nan, math.inf, 0, n_min, confidence, "order-statistic")
+    lo_rank, hi_rank = order_ranks(n, q, confidence)
+    lo = float(a[lo_rank - 1]) if lo_rank >= 1 else -math.inf
+    hi = float(a[hi_rank - 1]) if hi_rank <= n else math.inf
+    return Interval(name, sample_quantile(a, q), lo, hi, n, n_min, confidence, "order-statistic")
+
+
+def pooled_quantile_interval(groups: Sequence[Sequence[float]], q: float,
+                             confidence: float = DEFAULT_CONFIDENCE, stat: str | None = None,
+                             resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> Interval:
+    """Cluster-bootstrap interval of the q-quantile of values pooled over groups (requests).
+
+    Needs as many groups as the order-statistic interval needs values (``n_min``): a
+    bootstrap over fewer requests underestimates how far the tail can reach.
+    """
+    arrays = [np.asarray(g, dtype=float) for g in groups if len(g)]
+    n = len(arrays)
+    n_min = min_sample_size(q, confidence)
+    name = stat or f"p{q * 100:g}"
+    if n == 0:
+        return Interval(name, math.nan, math.nan, math.inf, 0, n_min, confidence, "cluster-bootstrap")
+    estimate = sample_quantile(np.concatenate(arrays), q)
+    rng = np.random.default_rng(seed)
+    reps = np.empty(resamples)
+    for b in range(resamples):
+        pick = rng.integers(n, size=n)
+        reps[b] = sample_quantile(np.concatenate([arrays[i] for i in pick]), q)
+    alpha = 1.0 - confidence
+    lo = sample_quantile(reps, alpha / 2)
+    hi = sample_quantile(reps, 1 - alpha / 2) if n >= n_min else math.inf
+    return Interval(name, estimate, lo, hi, n, n_min, confidence, "cluster-bootstrap")
+
+
+def mean_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE) -> Interval:
+    """Normal-approximation interval of the mean (needs n >= 2; ``inf`` values make it ``inf``)."""
+    a = np.asarray(values, dtype=float)
+    n = int(a.size)
+    if n < 2:
+        est = float(a.mean()) if n else math.nan
+        return Interval("mean", est, -math.inf, math.inf, n, 2, confidence, "normal")
+    if not np.isfinite(a).all():
+        return Interval("mean", math.inf, math.inf, math.inf, n, 2, confidence, "normal")
+    z = _z(confidence)
+    half = z * float(a.std(ddof=1)) / math.sqrt(n)
+    m = float(a.mean())
+    return Interval("mean", m, m - half, m + half, n, 2, confidence, "normal")
+
+
+def _z(confidence: float) -> float:
+    # Two-sided normal quantile by bisection on erf: no scipy for one number.
+    target = 0.5 + confidence / 2
+    lo, hi = 0.0, 10.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def stat_interval(stat: str, per_request: Sequence[float] | None = None,
+                  groups: Sequence[Sequence[float]] | None = None,
+                  confidence: float = DEFAULT_CONFIDENCE) -> Interval:
+    """The interval of ``stat`` (mean, median/p50, p90, p95, p99, max) over one value per
+    request (``per_request``) or over values pooled by request (``groups``).
+
+    ``max`` has no interval that a sample can bound; it is the sample maximum itself.
+    Raises ValueError for an unknown statistic.
+    """
+    if (per_request is None) == (groups is None):
+        raise ValueError("give per_request or groups")
+    if stat == "max":
+        vals = list(per_request) if per_request is not None else [v for g in groups for v in g]
+        m = max(vals) if vals else math.nan
+        n = len(per_request) if per_request is not None else sum(1 for g in groups if len(g))
+        return Interval("max", m, m, m if vals else math.inf, n, 1, confidence, "sample-max")
+    if stat == "mean":
+        vals = list(per_request) if per_request is not None else [v for g in groups for v in g]
+        return mean_interval(vals, confidence)
+    if stat not in STAT_QUANTILES:
+        raise ValueError(f"unknown statistic {stat!r}")
+    q = STAT_QUANTILES[stat]
+    if per_request is not None:
+        return quantile_interval(per_request, q, confidence, stat)
+    return pooled_quantile_interval(groups, q, confidence, stat)

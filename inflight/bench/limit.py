@@ -1,0 +1,194 @@
+"""The operating limit of one server configuration: capacity searches over sustained points.
+
+``find_limit`` runs ``--repeats`` searches (``capacity.search``), each point a windowed
+``run_point`` judged by ``sustain.judge``, and returns a :class:`LimitResult`: the limit per
+repeat, the bracket above it, every point with its evidence and a compact timeline (the
+in-flight count and the server's gauges over time, for the report's plots).
+
+Points can come from a cache (``PointCache``: ``bench tune``'s saved state), so a killed
+run replays what it measured and continues. The server and the session are opened only
+when a point is not cached (``connect``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Awaitable, Callable, Protocol
+
+import numpy as np
+
+from inflight.bench import capacity as cap
+from inflight.bench.runner import ArrivalConfig, PointResult, Session, run_point
+from inflight.bench.stats import SLO
+from inflight.bench.sustain import Thresholds, evidence_lines, in_flight_at
+
+
+@dataclass
+class SearchSpace:
+    """What a search varies: the request rate, or (trace replay) 1 / time scale."""
+
+    by_scale: bool
+    start: float
+    lo: float
+    hi: float
+    tolerance: float = 0.1
+    max_points: int = 12
+    repeats: int = 1
+
+    def x(self, load: float | None) -> float | None:
+        """The load as the user set it: a rate, or a time scale."""
+        return None if load is None else (1 / load if self.by_scale else load)
+
+    def describe(self, load: float) -> str:
+        return f"time_scale={1 / load:.4g}" if self.by_scale else f"rate={load:.4g}"
+
+    def arrival(self, base: ArrivalConfig, load: float, repeat: int) -> ArrivalConfig:
+        return replace(base, seed=base.seed + repeat,
+                       **({"time_scale": 1 / load} if self.by_scale else {"rate": load}))
+
+
+@dataclass
+class LimitResult:
+    """One configuration's operating limit over its repeats (loads as ``SearchSpace.x``)."""
+
+    label: str | None
+    limits: list[float | None]  # per repeat
+    failed_above: list[float | None]  # per repeat: the lowest failing load above the limit
+    bounded: bool
+    curve: list[dict] = field(default_factory=list)  # every point, with repeat and x
+    fixed: dict = field(default_factory=dict)
+    command: str | None = None
+
+    @property
+    def spread(self) -> dict:
+        return cap.spread(self.limits)
+
+    @property
+    def best_point(self) -> dict | None:
+        """The passing point at the highest limit found (p95s and timeline at the limit)."""
+        passing = [p for p in self.curve if p["passed"]]
+        return max(passing, key=lambda p: p["load"], default=None)
+
+    def lost_because(self) -> list[str]:
+        """Why loads above the limit failed: the causes at each repeat's failing point."""
+        causes: list[str] = []
+        for rep, above in enumerate(self.failed_above):
+            for p in self.curve:
+                if p["repeat"] == rep and not p["passed"] and above is not None and p["x"] == above:
+                    causes += [c for c in p["evidence"].get("causes", []) if c not in causes]
+        return causes
+
+    def to_json(self) -> dict:
+        return {"value": self.label, "command": self.command, "limits": self.limits,
+                "failed_above": self.failed_above, "spread": self.spread, "bounded": self.bounded,
+                "fixed": self.fixed, "curve": self.curve}
+
+
+class PointCache(Protocol):
+    """Saved points of one configuration, by repeat and load (``bench tune``'s state)."""
+
+    fixed: dict | None  # the session's fixed conditions, saved with the first point
+
+    def get(self, repeat: int, load: float) -> dict | None: ...
+    def put(self, repeat: int, load: float, point: dict, fixed: dict) -> None: ...
+
+
+def timeline(point: PointResult, samples: int = 400) -> dict:
+    """The point's in-flight count (client side, at ``samples`` times) and scraped gauges."""
+    end = max((r.end_time for r in point.records), default=0.0)
+    step = max(end / samples, 0.01)
+    ts = np.arange(0.0, end + step, step)
+    q = in_flight_at(point.records, ts) if point.records else np.zeros_like(ts)
+    w = point.window
+    return {"t": [round(float(t), 3) for t in ts], "in_flight": [int(v) for v in q],
+            "server": point.metrics_samples,
+            "output_tokens": [r.output_tokens for r in point.records if r.phase == "sample" and r.success],
+            "window": None if w is None else {"start": w.start, "end": w.end, "deadline": w.deadline}}
+
+
+Connect = Callable[[], Awaitable[Session]]
+
+
+async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: SearchSpace,
+                     thresholds: Thresholds, label: str | None = None, cache: PointCache | None = None,
+                     log=None) -> LimitResult:
+    """Search ``space.repeats`` times for the highest sustained load (see the module doc).
+
+    ``connect`` returns the session (starting the server where needed); it is called only
+    when a point is measured, not replayed from ``cache``.
+    """
+    log = log or sys.stderr
+    session: Session | None = None
+    fixed: dict = {}
+
+    async def measure_with(rep: int):
+        async def measure(load: float) -> cap.PointOutcome:
+            nonlocal session, fixed
+            hit = cache.get(rep, load) if cache is not None else None
+            if hit is not None:
+                outcome = cap.PointOutcome.from_json(hit)
+                _print_point(log, space, load, outcome, cached=True)
+                return outcome
+            if session is None:
+                session = await connect()
+            point = await run_point(session, space.arrival(base, load, rep), slo)
+            fixed = session.fixed()  # after the point: the mix may have grown for it
+            verdict = point.verdict(slo, thresholds)
+            outcome = cap.PointOutcome(load, verdict.passed, verdict.reasons, point.summary, verdict.evidence,
+                                       timeline(point))
+            if cache is not None:
+                cache.put(rep, load, outcome.to_json(), fixed)
+            _print_point(log, space, load, outcome)
+            return outcome
+        return measure
+
+    limits, above, curve, bounded = [], [], [], True
+    for rep in range(space.repeats):
+        res = await cap.search(await measure_with(rep), min(max(space.start, space.lo), space.hi),
+                               space.lo, space.hi, space.tolerance, space.max_points)
+        limits.append(space.x(res.limit))
+        above.append(space.x(res.failed_above))
+        bounded &= res.bounded
+        curve += [{**p.to_json(), "repeat": rep, "x": space.x(p.load)} for p in res.points]
+    if not fixed and cache is not None:
+        fixed = cache.fixed or {}
+    return LimitResult(label, limits, above, bounded, curve, fixed)
+
+
+def _print_point(log, space: SearchSpace, load: float, p: cap.PointOutcome, cached: bool = False) -> None:
+    verdict = "pass" if p.passed else "FAIL: " + "; ".join(p.reasons)
+    print(f"  {space.describe(load)}: {verdict}{' (saved point)' if cached else ''}", file=log)
+    if p.evidence:
+        for line in evidence_lines(p.evidence):
+            print(f"      {line}", file=log)
+    log.flush()
+
+
+def limit_line(res: LimitResult, by_scale: bool) -> str:
+    """One printable line: the limit, its spread over repeats, the bracket above it."""
+    unit = "time scale" if by_scale else "req/s"
+    head = f"value={res.label}: " if res.label is not None else ""
+    sp = res.spread
+    if not sp["found"]:
+        return f"{head}no load met the SLO (lowest tried failed)"
+    bound = "" if res.bounded else " (a lower bound: the highest load tried still passed)"
+    above = [a for a in res.failed_above if a is not None]
+    bracket = ""
+    if above:
+        # For a time scale, "above" the load is a smaller scale.
+        edge = max(above) if by_scale else min(above)
+        bracket = f"; failed at {edge:.4g}"
+    return (f"{head}operating limit {sp['mean']:.4g} {unit} (std {sp['std']:.3g}, min {sp['min']:.4g}, "
+            f"max {sp['max']:.4g} over {sp['found']}/{sp['repeats']} repeats{bracket}){bound}")
+
+
+def offered_at(res: LimitResult) -> float | None:
+    """The offered rate (req/s) measured at the best limit, whatever the search varied."""
+    p = res.best_point
+    return None if p is None else p["evidence"].get("offered_rate")
+
+
+def finite(v) -> float | None:
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
