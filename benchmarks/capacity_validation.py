@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import shlex
 import signal
@@ -56,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hold", type=float, default=300.0, help="serve: window of each held run (s)")
     p.add_argument("--over", type=float, default=1.25, help="the second held run, x the limit")
     p.add_argument("--command-timeout", type=float, default=3600.0)
+    p.add_argument("--log-dir", default="/tmp/inflight-capacity-validation", help="the server's log")
     return p.parse_args(argv)
 
 
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log: list[dict] = []
     serve = f"{args.inflight} --log-level warning serve --port {args.port} {args.server_args}"
-    server = ServerProcess(serve, f"http://127.0.0.1:{args.port}", log_path=str(out / "server.log"))
+    os.makedirs(args.log_dir, exist_ok=True)
+    server = ServerProcess(serve, f"http://127.0.0.1:{args.port}", log_path=os.path.join(args.log_dir, "server.log"))
     asyncio.run(server.start())
     try:
         rc = bench(args, "capacity", ["--duration", str(args.duration), "--rate-start", str(args.rate_start),
