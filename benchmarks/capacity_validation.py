@@ -5,7 +5,8 @@ The claim checked (docs/capacity.md): the limit ``bench capacity`` reports is a 
 server sustains, with the SLO met over a long run, and a load 25 % above it is not. Each
 run is a windowed point judged by the same rules (``inflight.bench.sustain``): completed
 rate vs offered, queue growth, each SLO statistic's confidence interval, failures,
-preemptions.
+preemptions. The held runs use the next seed: other Poisson arrivals than the capacity
+search's own hold saw.
 
 One ``inflight serve`` is started for all runs (127.0.0.1 only) and stopped at the end;
 the bench commands run as child processes and each is bounded by ``--command-timeout``.
@@ -54,19 +55,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rate-start", type=float, default=2.0)
     p.add_argument("--tolerance", type=float, default=0.1)
     p.add_argument("--max-points", type=int, default=10)
-    p.add_argument("--hold", type=float, default=300.0, help="serve: window of each held run (s)")
+    p.add_argument("--hold", type=float, default=300.0,
+                   help="s: the window of capacity's own hold and of each held serve run")
     p.add_argument("--over", type=float, default=1.25, help="the second held run, x the limit")
     p.add_argument("--command-timeout", type=float, default=3600.0)
     p.add_argument("--log-dir", default="/tmp/inflight-capacity-validation", help="the server's log")
     return p.parse_args(argv)
 
 
-def bench(args, sub: str, extra: list[str], out: pathlib.Path, log: list[dict]) -> int:
+def bench(args, sub: str, extra: list[str], log_file: pathlib.Path, log: list[dict]) -> int:
     cmd = [args.inflight, "--log-level", "warning", "bench", sub, "--base-url", f"http://127.0.0.1:{args.port}",
            *shlex.split(args.workload), "--slo", args.slo, "--disable-tqdm", *extra]
     print(f"\n$ {shlex.join(cmd)}", flush=True)
     before, t0 = describe_machine(), time.monotonic()
-    with open(out.with_suffix(".log"), "w") as f:
+    with open(log_file, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
         try:
             rc = proc.wait(timeout=args.command_timeout)
@@ -77,7 +79,7 @@ def bench(args, sub: str, extra: list[str], out: pathlib.Path, log: list[dict]) 
                 raise
     log.append({"command": shlex.join(cmd), "exit": rc, "wall_s": round(time.monotonic() - t0, 1),
                 "before": before, "after": describe_machine()})
-    print(out.with_suffix(".log").read_text()[-3000:], flush=True)
+    print(log_file.read_text()[-3000:], flush=True)
     return rc
 
 
@@ -102,21 +104,27 @@ def _f(v, d=2):
 
 def markdown(summary: dict) -> str:
     cap = summary["capacity"]
-    lines = [f"Operating limit found: **{_f(cap['limit'])} req/s** (the next load up, {_f(cap['failed_above'])} "
-             f"req/s, failed: {', '.join(cap['lost_because']) or '-'})", "",
+    def iv(slo, k):
+        x = (slo or {}).get(k)
+        return "-" if not x else f"{_f(x['estimate'])} [{_f(x['lo'])}, {_f(x['hi'])}]"
+    lines = ["`bench capacity` (60 s search points, then holds of the limit):", "",
+             "| point | rate (req/s) | window (s) | offered | completed | p95 TTFT [95% CI] (s) | p95 ITL [95% CI] (s) "
+             "| verdict |", "|---|---|---|---|---|---|---|---|"]
+    for p in cap["points"]:
+        lines.append(f"| {'hold' if p['held'] else 'search'} | {_f(p['rate'], 3)} | {_f(p['window_s'], 0)} "
+                     f"| {_f(p['offered_rate'])} | {_f(p['completed_rate'])} | {iv(p['slo'], 'ttft_p95')} "
+                     f"| {iv(p['slo'], 'itl_p95')} | {'pass' if p['passed'] else '; '.join(p['reasons'])} |")
+    lines += ["", f"Operating limit found: **{_f(cap['limit'])} req/s** (the first failure above it: "
+              f"{_f(cap['failed_above'])} req/s: {', '.join(cap['lost_because']) or '-'})", "",
+             "Held with `bench serve --duration 300` (seed 1: other arrivals and another sample of the trace):", "",
              "| run | rate (req/s) | sustained | offered in window | completed | requests | queue growth "
              "(2nd half) | p95 TTFT [95% CI] (s) | p95 ITL [95% CI] (s) | unfinished | why not |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["held"]:
-        slo = r["slo"] or {}
-
-        def iv(k):
-            x = slo.get(k)
-            return "-" if not x else f"{_f(x['estimate'])} [{_f(x['lo'])}, {_f(x['hi'])}]"
         lines.append(f"| {r['run']} | {_f(r['rate'])} | {'yes' if r['sustained'] else 'no'} "
                      f"| {_f(r['offered_rate'])} | {_f(r['completed_rate'])} | {r['sample']} "
-                     f"| {_f(r['queue_growth'], 1)} | {iv('ttft_p95')} | {iv('itl_p95')} | {r['unfinished']} "
-                     f"| {'; '.join(r['reasons'] or []) or '-'} |")
+                     f"| {_f(r['queue_growth'], 1)} | {iv(r['slo'], 'ttft_p95')} | {iv(r['slo'], 'itl_p95')} "
+                     f"| {r['unfinished']} | {'; '.join(r['reasons'] or []) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -140,8 +148,9 @@ def main(argv=None) -> int:
     try:
         rc = bench(args, "capacity", ["--duration", str(args.duration), "--rate-start", str(args.rate_start),
                                       "--tolerance", str(args.tolerance), "--max-points", str(args.max_points),
+                                      "--hold-duration", str(args.hold),
                                       "--save-result", str(out / "capacity.json"), "--report", str(out / "report")],
-                   out / "capacity", log)
+                   out / "capacity.log", log)
         doc = json.loads((out / "capacity.json").read_text())
         res = doc["results"][0]
         limit = res["limits"][0]
@@ -152,16 +161,22 @@ def main(argv=None) -> int:
         for factor, name in ((1.0, "hold-1.00x"), (args.over, f"hold-{args.over:.2f}x")):
             rate = limit * factor
             bench(args, "serve", ["--request-rate", f"{rate:.6g}", "--duration", str(args.hold),
-                                  "--num-prompts", "100", "--reset-prefix-cache",
-                                  "--save-result", str(out / f"{name}.json")], out / name, log)
-            held.append(held_row(json.loads((out / f"{name}.json").read_text()), f"{factor:g}x the limit"))
+                                  "--num-prompts", "100", "--reset-prefix-cache", "--seed", "1",
+                                  # every request of 5 minutes: megabytes, kept with the logs
+                                  "--save-result", os.path.join(args.log_dir, f"{name}.json")],
+                  out / f"{name}.log", log)
+            doc = json.loads(pathlib.Path(args.log_dir, f"{name}.json").read_text())
+            held.append(held_row(doc, f"{factor:g}x the limit"))
     finally:
         server.stop()
-    lost = sorted({c for p in res["curve"] if not p["passed"] and p["x"] == (res["failed_above"] or [None])[0]
+    lost = sorted({c for p in res["curve"] if not p["passed"] and p["x"] == res["failed_above"][0]
                    for c in p["evidence"].get("causes", [])})
     summary = {"capacity": {"limit": limit, "failed_above": res["failed_above"][0], "lost_because": lost,
-                            "points": [{"rate": p["x"], "passed": p["passed"], "reasons": p["reasons"]}
-                                       for p in res["curve"]]},
+                            "points": [{"rate": p["x"], "held": p.get("held"), "passed": p["passed"],
+                                        "reasons": p["reasons"], "offered_rate": p["evidence"]["offered_rate"],
+                                        "completed_rate": p["evidence"]["completed_rate"],
+                                        "window_s": p["evidence"]["window"]["seconds"],
+                                        "slo": p["evidence"]["slo"]} for p in res["curve"]]},
                "held": held, "server": serve, "workload": args.workload, "slo": args.slo, "runs": log}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     table = markdown(summary)

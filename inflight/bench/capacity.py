@@ -14,6 +14,14 @@ Each point is a steady-state window, and it passes on the evidence of
 does not grow, every SLO statistic's confidence interval is within its target, nothing
 failed, and preemptions stay under the threshold. A burst the server absorbs before its
 queue has grown does not pass: the window outlasts it.
+
+A one-minute window cannot tell a queue growing by a few percent of its arrivals from a
+slow excursion (near saturation the in-flight count wanders on a time scale of tens of
+seconds), and "keeps up" tolerates a 5 % shortfall: a load 5 % above what the server
+completes can pass one window and break the SLO a few minutes later. So the search's limit
+is then **held** (``hold``): measured again over a window several times longer; if it
+fails, the load steps down by ``1 + tolerance`` and is held again, up to ``max_holds``
+times. The limit reported is the highest load that held.
 """
 
 from __future__ import annotations
@@ -118,3 +126,30 @@ def spread(limits: list[float | None]) -> dict:
     return {"repeats": len(limits), "found": len(found), "mean": statistics.fmean(found),
             "std": statistics.pstdev(found) if len(found) > 1 else 0.0,
             "min": min(found), "max": max(found)}
+
+
+@dataclass
+class HoldResult:
+    limit: float | None  # the highest load that held; None when no hold passed
+    holds: list[PointOutcome]  # in the order measured
+
+    @property
+    def failed_above(self) -> float | None:
+        """The lowest load whose hold failed, above the limit."""
+        above = [p.load for p in self.holds if not p.passed and (self.limit is None or p.load > self.limit)]
+        return min(above) if above else None
+
+
+async def hold(search: SearchResult, measure: Measure, tolerance: float, min_load: float,
+               max_holds: int = 3) -> HoldResult:
+    """Hold ``search.limit`` with ``measure`` (a longer point); step down by ``1 + tolerance``
+    after each failure, at most ``max_holds`` holds and not below ``min_load``."""
+    holds: list[PointOutcome] = []
+    load = search.limit
+    while load is not None and load >= min_load and len(holds) < max_holds:
+        p = await measure(load)
+        holds.append(p)
+        if p.passed:
+            return HoldResult(load, holds)
+        load = load / (1 + tolerance)
+    return HoldResult(None, holds)

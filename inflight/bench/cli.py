@@ -211,6 +211,10 @@ def _search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tolerance", type=float, default=0.1, help="stop when hi/lo <= 1 + tolerance")
     g.add_argument("--max-points", type=int, default=12, help="points per search")
     g.add_argument("--repeats", type=int, default=1, help="searches (seeds seed, seed+1, ...)")
+    g.add_argument("--hold-duration", type=float, default=None, metavar="S",
+                   help="hold each search's limit for a window of S s before reporting it; if it fails, "
+                        "step down by 1 + tolerance and hold again (default 5 x --duration; 0: no hold)")
+    g.add_argument("--max-holds", type=int, default=3, help="holds per search, at most (default %(default)s)")
     g = p.add_argument_group("sustained load")
     g.add_argument("--preemption-threshold", type=float, default=DEFAULT_PREEMPTION_THRESHOLD,
                    help="fail a point above this many preemptions per completed request")

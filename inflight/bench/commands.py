@@ -250,12 +250,16 @@ def _print_rows(rows: list[dict]) -> None:
 
 
 def search_space(args, base: ArrivalConfig) -> SearchSpace:
-    """The capacity search over rates, or over 1 / time scale for trace replay."""
+    """The capacity search over rates, or over 1 / time scale for trace replay; its limit
+    held for ``--hold-duration`` (default 5 windows)."""
+    hold = args.hold_duration if args.hold_duration is not None else 5 * (base.duration or 0)
+    if hold < 0:
+        raise ValueError("--hold-duration must be >= 0")
+    common = dict(tolerance=args.tolerance, max_points=args.max_points, repeats=args.repeats,
+                  hold_duration=hold or None, max_holds=args.max_holds)
     if base.process == "trace":
-        return SearchSpace(True, 1 / base.time_scale, 1 / args.time_scale_max, 1 / args.time_scale_min,
-                           args.tolerance, args.max_points, args.repeats)
-    return SearchSpace(False, args.rate_start, args.rate_min, args.rate_max, args.tolerance, args.max_points,
-                       args.repeats)
+        return SearchSpace(True, 1 / base.time_scale, 1 / args.time_scale_max, 1 / args.time_scale_min, **common)
+    return SearchSpace(False, args.rate_start, args.rate_min, args.rate_max, **common)
 
 
 def require_aggregate(slo: SLO) -> None:

@@ -36,6 +36,8 @@ class SearchSpace:
     tolerance: float = 0.1
     max_points: int = 12
     repeats: int = 1
+    hold_duration: float | None = None  # s: hold each search's limit this long before reporting it
+    max_holds: int = 3
 
     def x(self, load: float | None) -> float | None:
         """The load as the user set it: a rate, or a time scale."""
@@ -44,8 +46,14 @@ class SearchSpace:
     def describe(self, load: float) -> str:
         return f"time_scale={1 / load:.4g}" if self.by_scale else f"rate={load:.4g}"
 
-    def arrival(self, base: ArrivalConfig, load: float, repeat: int) -> ArrivalConfig:
-        return replace(base, seed=base.seed + repeat,
+    def arrival(self, base: ArrivalConfig, load: float, repeat: int, held: bool = False) -> ArrivalConfig:
+        """The point's arrivals; ``held``: the window ``hold_duration`` long, warm-up and
+        drain as the search's."""
+        extra = {}
+        if held:
+            warm, drain = base.phases()
+            extra = {"duration": self.hold_duration, "warmup_duration": warm, "drain_timeout": drain}
+        return replace(base, seed=base.seed + repeat, **extra,
                        **({"time_scale": 1 / load} if self.by_scale else {"rate": load}))
 
 
@@ -57,9 +65,10 @@ class LimitResult:
     limits: list[float | None]  # per repeat
     failed_above: list[float | None]  # per repeat: the lowest failing load above the limit
     bounded: bool
-    curve: list[dict] = field(default_factory=list)  # every point, with repeat and x
+    curve: list[dict] = field(default_factory=list)  # every point, with repeat, x and held
     fixed: dict = field(default_factory=dict)
     command: str | None = None
+    held: bool = False  # limits are loads that held for SearchSpace.hold_duration
 
     @property
     def spread(self) -> dict:
@@ -67,8 +76,8 @@ class LimitResult:
 
     @property
     def best_point(self) -> dict | None:
-        """The passing point at the highest limit found (p95s and timeline at the limit)."""
-        passing = [p for p in self.curve if p["passed"]]
+        """The point that set the highest limit: its hold, where held (p95s and timeline)."""
+        passing = [p for p in self.curve if p["passed"] and p.get("held", False) == self.held]
         return max(passing, key=lambda p: p["load"], default=None)
 
     def lost_because(self) -> list[str]:
@@ -83,16 +92,16 @@ class LimitResult:
     def to_json(self) -> dict:
         return {"value": self.label, "command": self.command, "limits": self.limits,
                 "failed_above": self.failed_above, "spread": self.spread, "bounded": self.bounded,
-                "fixed": self.fixed, "curve": self.curve}
+                "held": self.held, "fixed": self.fixed, "curve": self.curve}
 
 
 class PointCache(Protocol):
-    """Saved points of one configuration, by repeat and load (``bench tune``'s state)."""
+    """Saved points of one configuration, by repeat, load and kind (``bench tune``'s state)."""
 
     fixed: dict | None  # the session's fixed conditions, saved with the first point
 
-    def get(self, repeat: int, load: float) -> dict | None: ...
-    def put(self, repeat: int, load: float, point: dict, fixed: dict) -> None: ...
+    def get(self, repeat: int, load: float, held: bool = False) -> dict | None: ...
+    def put(self, repeat: int, load: float, point: dict, fixed: dict, held: bool = False) -> None: ...
 
 
 def timeline(point: PointResult, samples: int = 400) -> dict:
@@ -113,53 +122,63 @@ Connect = Callable[[], Awaitable[Session]]
 
 async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: SearchSpace,
                      thresholds: Thresholds, label: str | None = None, cache: PointCache | None = None,
-                     log=None) -> LimitResult:
-    """Search ``space.repeats`` times for the highest sustained load (see the module doc).
-
-    ``connect`` returns the session (starting the server where needed); it is called only
-    when a point is measured, not replayed from ``cache``.
+                     hold: bool = True, log=None) -> LimitResult:
+    """Search ``space.repeats`` times for the highest sustained load, each search's limit
+    then held for ``space.hold_duration`` s (unless ``hold`` is False or it is unset; see
+    ``capacity``). ``connect`` returns the session (starting the server where needed); it is
+    called only when a point is measured, not replayed from ``cache``.
     """
     log = log or sys.stderr
     session: Session | None = None
     fixed: dict = {}
 
-    async def measure_with(rep: int):
+    def measure_with(rep: int, held: bool):
         async def measure(load: float) -> cap.PointOutcome:
             nonlocal session, fixed
-            hit = cache.get(rep, load) if cache is not None else None
+            hit = cache.get(rep, load, held) if cache is not None else None
             if hit is not None:
                 outcome = cap.PointOutcome.from_json(hit)
-                _print_point(log, space, load, outcome, cached=True)
+                _print_point(log, space, load, outcome, cached=True, held=held)
                 return outcome
             if session is None:
                 session = await connect()
-            point = await run_point(session, space.arrival(base, load, rep), slo)
+            point = await run_point(session, space.arrival(base, load, rep, held), slo)
             fixed = session.fixed()  # after the point: the mix may have grown for it
             verdict = point.verdict(slo, thresholds)
             outcome = cap.PointOutcome(load, verdict.passed, verdict.reasons, point.summary, verdict.evidence,
                                        timeline(point))
             if cache is not None:
-                cache.put(rep, load, outcome.to_json(), fixed)
-            _print_point(log, space, load, outcome)
+                cache.put(rep, load, outcome.to_json(), fixed, held)
+            _print_point(log, space, load, outcome, held=held)
             return outcome
         return measure
 
+    holding = hold and bool(space.hold_duration)
     limits, above, curve, bounded = [], [], [], True
     for rep in range(space.repeats):
-        res = await cap.search(await measure_with(rep), min(max(space.start, space.lo), space.hi),
+        res = await cap.search(measure_with(rep, False), min(max(space.start, space.lo), space.hi),
                                space.lo, space.hi, space.tolerance, space.max_points)
-        limits.append(space.x(res.limit))
-        above.append(space.x(res.failed_above))
+        limit, first_fail = res.limit, res.failed_above
         bounded &= res.bounded
-        curve += [{**p.to_json(), "repeat": rep, "x": space.x(p.load)} for p in res.points]
+        curve += [{**p.to_json(), "repeat": rep, "x": space.x(p.load), "held": False} for p in res.points]
+        if holding:
+            held = await cap.hold(res, measure_with(rep, True), space.tolerance, space.lo, space.max_holds)
+            curve += [{**p.to_json(), "repeat": rep, "x": space.x(p.load), "held": True} for p in held.holds]
+            limit = held.limit
+            fails = [x for x in (first_fail, held.failed_above) if x is not None]
+            first_fail = min(fails) if fails else None
+        limits.append(space.x(limit))
+        above.append(space.x(first_fail))
     if not fixed and cache is not None:
         fixed = cache.fixed or {}
-    return LimitResult(label, limits, above, bounded, curve, fixed)
+    return LimitResult(label, limits, above, bounded, curve, fixed, held=holding)
 
 
-def _print_point(log, space: SearchSpace, load: float, p: cap.PointOutcome, cached: bool = False) -> None:
+def _print_point(log, space: SearchSpace, load: float, p: cap.PointOutcome, cached: bool = False,
+                 held: bool = False) -> None:
     verdict = "pass" if p.passed else "FAIL: " + "; ".join(p.reasons)
-    print(f"  {space.describe(load)}: {verdict}{' (saved point)' if cached else ''}", file=log)
+    what = f"hold {space.hold_duration:g} s at " if held else ""
+    print(f"  {what}{space.describe(load)}: {verdict}{' (saved point)' if cached else ''}", file=log)
     if p.evidence:
         for line in evidence_lines(p.evidence):
             print(f"      {line}", file=log)
@@ -172,6 +191,8 @@ def limit_line(res: LimitResult, by_scale: bool) -> str:
     head = f"value={res.label}: " if res.label is not None else ""
     sp = res.spread
     if not sp["found"]:
+        if res.held and any(not p["held"] and p["passed"] for p in res.curve):
+            return f"{head}no load held: every hold failed (see the points above)"
         return f"{head}no load met the SLO (lowest tried failed)"
     bound = "" if res.bounded else " (a lower bound: the highest load tried still passed)"
     above = [a for a in res.failed_above if a is not None]
@@ -180,15 +201,6 @@ def limit_line(res: LimitResult, by_scale: bool) -> str:
         # For a time scale, "above" the load is a smaller scale.
         edge = max(above) if by_scale else min(above)
         bracket = f"; failed at {edge:.4g}"
-    return (f"{head}operating limit {sp['mean']:.4g} {unit} (std {sp['std']:.3g}, min {sp['min']:.4g}, "
+    held = " held" if res.held else " (searched, not held)"
+    return (f"{head}operating limit{held} {sp['mean']:.4g} {unit} (std {sp['std']:.3g}, min {sp['min']:.4g}, "
             f"max {sp['max']:.4g} over {sp['found']}/{sp['repeats']} repeats{bracket}){bound}")
-
-
-def offered_at(res: LimitResult) -> float | None:
-    """The offered rate (req/s) measured at the best limit, whatever the search varied."""
-    p = res.best_point
-    return None if p is None else p["evidence"].get("offered_rate")
-
-
-def finite(v) -> float | None:
-    return v if isinstance(v, (int, float)) and math.isfinite(v) else None

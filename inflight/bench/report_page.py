@@ -39,9 +39,11 @@ def _best(doc: dict) -> dict | None:
 
 
 def _best_point(res: dict | None) -> dict | None:
+    """The point that set the limit: the passing hold, where the limit was held."""
     if not res:
         return None
-    passing = [p for p in res["curve"] if p["passed"]]
+    held = res.get("held", False)
+    passing = [p for p in res["curve"] if p["passed"] and p.get("held", False) == held]
     return max(passing, key=lambda p: p["load"], default=None)
 
 
@@ -132,7 +134,8 @@ def plot_latency_vs_load(path: pathlib.Path, name: str, values: list[tuple[str, 
                     unbounded.append((x, color))
                 else:
                     finite.append(y)
-                    ax.scatter([x], [y], color=color, marker="o" if p["passed"] else "x", s=30)
+                    marker = ("s" if p["passed"] else "X") if p.get("held") else ("o" if p["passed"] else "x")
+                    ax.scatter([x], [y], color=color, marker=marker, s=45 if p.get("held") else 30)
             ax.plot([], [], color=color, marker="o", ls="", label=f"{name}={value}" if name != "server" else "measured")
         target = slo.get(key)
         if target is not None:
@@ -145,7 +148,7 @@ def plot_latency_vs_load(path: pathlib.Path, name: str, values: list[tuple[str, 
         ax.set_yscale("log")
         ax.set_xlabel("offered load in the window (req/s)")
         ax.set_ylabel(f"{stat} {label} (s)")
-        ax.set_title(f"{stat} {label} vs load (o pass, x fail; bars: {stat} confidence interval)")
+        ax.set_title(f"{stat} {label} vs load (o/x: search pass/fail, squares: holds; bars: {stat} CI)")
         _plain(ax)
         _legend(ax)
     _save(fig, path)
@@ -252,15 +255,21 @@ def _at_limit_lines(point: dict | None) -> list[str]:
     return lines
 
 
+def _held_seconds(res: dict) -> float:
+    holds = [p for p in res["curve"] if p.get("held")]
+    return max((p["evidence"]["window"]["seconds"] for p in holds), default=0.0)
+
+
 def _points_table(name: str, values) -> list[str]:
-    out = [f"| {name} | repeat | load | offered req/s | completed req/s | queue growth | preempt./req | SLO "
-           "estimates [CI] | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [f"| {name} | repeat | point | load | offered req/s | completed req/s | queue growth | preempt./req "
+           "| SLO estimates [CI] | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for value, res in values:
-        for p in sorted(res["curve"], key=lambda p: (p["repeat"], p["load"])):
+        for p in sorted(res["curve"], key=lambda p: (p["repeat"], p.get("held", False), p["load"])):
             ev = p["evidence"]
             slo = "; ".join(f"{k} {_iv(iv)}" for k, iv in (ev.get("slo") or {}).items())
             verdict = "pass" if p["passed"] else "fail: " + "; ".join(p["reasons"])
-            out.append(f"| {value} | {p['repeat']} | {_s(p['x'], 4)} | {_s(ev.get('offered_rate'))} "
+            kind = f"hold {ev['window']['seconds']:.0f} s" if p.get("held") else "search"
+            out.append(f"| {value} | {p['repeat']} | {kind} | {_s(p['x'], 4)} | {_s(ev.get('offered_rate'))} "
                        f"| {_s(ev.get('completed_rate'))} | {ev['queue']['growth']:+.1f} "
                        f"| {_s(ev.get('preemptions_per_request'), 2)} | {slo} | {verdict} |")
     return out
@@ -284,7 +293,8 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
         sp = best["spread"]
         above = [a for a in best["failed_above"] if a is not None]
         lim = "time scale" if by_scale else "req/s"
-        lines += [f"**Operating limit: {sp['mean']:.4g} {lim}** (over {sp['found']}/{sp['repeats']} searches: "
+        how = (f"held for {_held_seconds(best):g} s" if best.get("held") else "searched, not held")
+        lines += [f"**Operating limit: {sp['mean']:.4g} {lim}**, {how} (over {sp['found']}/{sp['repeats']} searches: "
                   f"min {sp['min']:.4g}, max {sp['max']:.4g}"
                   + (f"; the next load up failed at {(max(above) if by_scale else min(above)):.4g}" if above else
                      "; not bounded: the highest load tried passed") + ").", ""]
@@ -317,7 +327,11 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
               f"- completed >= {th.get('rate_tolerance')} x offered over the window; in-flight growth over the "
               f"window's second half <= {th.get('queue_tolerance')} x its arrivals plus {th.get('noise_z')} "
               f"standard errors of the fitted growth; no failures; <= {th.get('preemption_threshold')} "
-              "preemptions per request", ""]
+              "preemptions per request"]
+    if best is not None and best.get("held"):
+        lines.append(f"- the search's limit is then held for {_held_seconds(best):g} s, by the same rules; a failed "
+                     "hold steps the load down by the search's tolerance and holds again")
+    lines.append("")
     lines += ["## Machine", "", *_machine_lines(doc), ""]
     lines += ["## Latency against load", ""]
     for i, (name, values) in enumerate(groups):

@@ -302,19 +302,21 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
 
     async def sender() -> None:
         last_sample = max((i for i, s in enumerate(slots) if s.phase == "sample"), default=-1)
-        for i, slot in enumerate(slots):
-            delay = slot.offset - clock()
-            if slot.phase == "cooldown" and sample_tasks and all(t.done() for t in sample_tasks):
-                break
-            if delay > 0:
-                await asyncio.sleep(delay)
-            record = RequestRecord(i, slot.offset, warmup=slot.phase != "sample", phase=slot.phase)
-            records.append(record)
-            task = asyncio.create_task(one(record, slot.spec))
-            (sample_tasks if slot.phase == "sample" else other_tasks).append(task)
-            if i == last_sample:
-                all_sample_sent.set()
-        all_sample_sent.set()
+        try:
+            for i, slot in enumerate(slots):
+                delay = slot.offset - clock()
+                if slot.phase == "cooldown" and sample_tasks and all(t.done() for t in sample_tasks):
+                    break
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                record = RequestRecord(i, slot.offset, warmup=slot.phase != "sample", phase=slot.phase)
+                records.append(record)
+                task = asyncio.create_task(one(record, slot.spec))
+                (sample_tasks if slot.phase == "sample" else other_tasks).append(task)
+                if i == last_sample:
+                    all_sample_sent.set()
+        finally:
+            all_sample_sent.set()  # whatever ends the sender, the waiter must not wait forever
 
     send_task = asyncio.create_task(sender())
     if window is None:

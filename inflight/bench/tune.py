@@ -5,7 +5,9 @@ max-num-batched-tokens=128,256,512``): for each knob in the order given, start t
 server command with that knob set to each value in turn (every other knob at its best so
 far), find each configuration's operating limit (``limit.find_limit``: sustained points,
 SLO statistics with confidence), keep the value with the highest limit and move on. A tie
-keeps the value the configuration already had, else the first listed.
+keeps the value the configuration already had, else the first listed. Values are ranked on
+their searches' limits; the recommended configuration's limit is then held
+(``--hold-duration``, see ``capacity``) and reported as held.
 
 Every measured point is saved to ``DIR/tune-state.json`` as it completes, keyed by the full
 server command, the repeat and the load. A killed run started again with the same flags
@@ -130,14 +132,14 @@ class ConfigCache:
         return self._entry["fixed"]
 
     @staticmethod
-    def _key(repeat: int, load: float) -> str:
-        return f"{repeat}:{load!r}"
+    def _key(repeat: int, load: float, held: bool) -> str:
+        return f"{repeat}:{'hold:' if held else ''}{load!r}"
 
-    def get(self, repeat: int, load: float) -> dict | None:
-        return self._entry["points"].get(self._key(repeat, load))
+    def get(self, repeat: int, load: float, held: bool = False) -> dict | None:
+        return self._entry["points"].get(self._key(repeat, load, held))
 
-    def put(self, repeat: int, load: float, point: dict, fixed: dict) -> None:
-        self._entry["points"][self._key(repeat, load)] = point
+    def put(self, repeat: int, load: float, point: dict, fixed: dict, held: bool = False) -> None:
+        self._entry["points"][self._key(repeat, load, held)] = point
         self._entry["fixed"] = self._entry["fixed"] or fixed
         self._state.save()
 
@@ -190,19 +192,21 @@ async def tune(args) -> int:
     unit = "time scale" if space.by_scale else "req/s"
     machine_start = describe_machine()
 
-    measured: dict[str, LimitResult] = {}
+    measured: dict[tuple[str, bool], LimitResult] = {}
 
-    async def limit_of(tokens: list[str], label: str) -> LimitResult:
+    async def limit_of(tokens: list[str], label: str, hold: bool = False) -> LimitResult:
+        """The configuration's limit: its searches only (knob values are ranked on those),
+        or, for the recommendation, with each search's limit held (capacity.hold)."""
         command = shlex.join(tokens)
-        if command not in measured:
+        if (command, hold) not in measured:
             print(f"\n--- {label}: {command}", file=sys.stderr)
             async with contextlib.AsyncExitStack() as stack:
                 res = await find_limit(connector(args, load, dataset, stack, command, label), base, slo, space,
-                                       th, label=label, cache=state.cache(command))
+                                       th, label=label, cache=state.cache(command), hold=hold)
             res.command = command
-            measured[command] = res
+            measured[(command, hold)] = res
             print(limit_line(res, space.by_scale), file=sys.stderr)
-        return measured[command]
+        return measured[(command, hold)]
 
     current = list(base_tokens)
     steps = []
@@ -219,7 +223,7 @@ async def tune(args) -> int:
         print(f"knob {name}: best {best}", file=sys.stderr)
         for line in steps[-1]["why"]:
             print(f"    {line}", file=sys.stderr)
-    final = await limit_of(current, "recommended")
+    final = await limit_of(current, "recommended", hold=True)
     doc = {**_header(args, "tune"), "slo": slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
            "arrival": base.describe(), "thresholds": th.__dict__.copy(), "base_command": args.serve_cmd,
            "knobs": steps, "recommended": {"command": shlex.join(current), **final.to_json()},

@@ -64,6 +64,29 @@ def test_search_result_bracket():
     assert res.at_limit.load == res.limit and res.at_limit.passed
 
 
+def test_hold_steps_down_until_a_load_holds():
+    """Short points pass up to 37, but only 30 holds: the search finds ~37, the holds step
+    down by 1 + tolerance until one passes."""
+    measure, _ = synthetic(37.0)
+    held_loads = []
+
+    async def held(load):
+        held_loads.append(load)
+        return cap.PointOutcome(load, load <= 30.0)
+
+    async def main():
+        res = await cap.search(measure, 1.0, 0.01, 1000.0, tolerance=0.05, max_points=30)
+        return res, await cap.hold(res, held, tolerance=0.05, min_load=0.01, max_holds=6)
+    res, h = asyncio.run(main())
+    assert held_loads[0] == res.limit and all(b == a / 1.05 for a, b in zip(held_loads, held_loads[1:]))
+    assert h.limit == held_loads[-1] <= 30.0 < held_loads[-2] and h.failed_above == held_loads[-2]
+    assert [p.passed for p in h.holds] == [False] * (len(held_loads) - 1) + [True]
+    # At most max_holds: none held within two steps.
+    held_loads.clear()
+    h = asyncio.run(cap.hold(res, held, tolerance=0.05, min_load=0.01, max_holds=2))
+    assert h.limit is None and len(h.holds) == 2 and h.failed_above == min(held_loads)
+
+
 SERVICE = 0.0125  # s per request, one at a time: the fake serves at most 80 requests/s
 MU = 1 / SERVICE
 WINDOW = dict(duration=1.5, warmup_duration=0.3, drain_timeout=1.0)

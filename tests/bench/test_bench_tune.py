@@ -99,18 +99,25 @@ def test_tune_picks_the_best_value_per_knob_and_resumes(data_dir, tmp_path, caps
     assert ttft["best"] == "0.0"
     assert {v["value"]: v["limits"] for v in ttft["values"]} == {"0.0": [40.0], "0.3": [None]}
     assert any("no load passed" in w and "ttft_p50" in w for w in ttft["why"])
-    assert doc["recommended"]["command"].endswith("--slots 4 --ttft 0.0")
+    rec = doc["recommended"]
+    assert rec["command"].endswith("--slots 4 --ttft 0.0")
+    # Values are ranked on their searches; the recommendation's limit is then held.
+    assert rec["held"] is True and rec["limits"] == [40.0]
+    holds = [p for p in rec["curve"] if p["held"]]
+    assert [(h["x"], h["passed"]) for h in holds] == [(40.0, True)]
+    assert holds[0]["evidence"]["window"]["seconds"] >= 2.5  # 5 x the 0.5 s window
+    assert all(not p["held"] for k in doc["knobs"] for v in k["values"] for p in v["curve"])
     # Only one knob varied at a time: every command differs from the base in at most the
     # knobs already decided plus the one being tuned.
     commands = {v["command"] for k in doc["knobs"] for v in k["values"]}
     assert len(commands) == 3  # slots=4 with ttft=0.0 is measured once, not twice
-    assert sorted(p.name for p in (report / "logs").iterdir()) == ["server-slots=1.log", "server-slots=4.log",
-                                                                   "server-ttft=0.3.log"]
+    assert sorted(p.name for p in (report / "logs").iterdir()) == ["server-recommended.log", "server-slots=1.log",
+                                                                   "server-slots=4.log", "server-ttft=0.3.log"]
     page = (report / "report.md").read_text()
     for section in ("## Result", "## One knob at a time", "## Workload", "## SLO", "## Machine",
                     "## Latency against load", "## At the limit", "## Every point"):
         assert section in page
-    assert "Operating limit: 40 req/s" in page
+    assert "Operating limit: 40 req/s**, held for" in page
     for png in ("lengths.png", "capacity.png", "at_limit.png", "latency_vs_load-slots.png",
                 "latency_vs_load-ttft.png"):
         assert (report / png).stat().st_size > 10_000, png
