@@ -8,8 +8,9 @@ policies compared"), each starting and stopping its own server through ``--serve
    from light load to overload (the trace's own arrival times, stretched by the time scale);
 2. ``--repeats`` rounds of ``inflight bench capacity --repeats 1``, one per policy per round
    (order rotated each round): the smallest time scale (highest load) at which the aggregate
-   SLO holds and nothing fails. Interleaving spreads load from other work on a shared
-   machine over all policies instead of one.
+   SLO holds and nothing fails, then that limit **held** for ``--hold-duration`` (stepping
+   down by the tolerance when the hold fails, docs/capacity.md). Interleaving spreads load
+   from other work on a shared machine over all policies instead of one.
 
 Every point is a sustained window (``--duration``, 60 s, of at least ``--num-prompts``
 requests, after a warm-up and before a cool-down; docs/capacity.md) and passes only on the
@@ -21,16 +22,17 @@ Every point starts with a cold prefix cache (``--reset-prefix-cache``): the same
 are sent at every load, and cached prefixes would otherwise make later points cheaper.
 
 Then it merges the results into ``policies.json`` / ``policies.csv``, draws
-``policies.png`` (p95 TTFT and p95 ITL against the completed rate, one line per policy,
-and the operating limit per policy) and prints the tables in Markdown (also ``table.md``).
+``policies.png`` (p95 TTFT and p95 ITL against the offered rate, one line per policy, from
+the sweep or, with ``--skip-sweep``, from the searches' own points; the operating limit per
+policy) and prints the tables in Markdown (also ``table.md``).
 The limit is reported as the offered rate in the window of the highest sustained point
 (requests arrived / window seconds), next to what the server completed in that window.
 Results and their caveats: docs/policies.md.
 
 Traffic goes to 127.0.0.1 only. Every run is bounded: the window and its drain timeout per
 point, ``--request-timeout`` per request, ``--max-points`` per capacity search and
-``--command-timeout`` per ``inflight bench`` command. The defaults take about 90 minutes on
-2 CPU cores.
+``--command-timeout`` per ``inflight bench`` command. The defaults take about 2.5 hours on
+2 CPU cores; ``--skip-sweep`` about 80 minutes.
 
     .venv/bin/python benchmarks/policies.py                      # the full run
     .venv/bin/python benchmarks/policies.py --duration 10 --num-prompts 20 --time-scales 4,1 \\
@@ -55,6 +57,8 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from inflight.bench.machine import cpu_shares, cpu_ticks  # noqa: E402
 DEFAULT_OUT = REPO / "docs" / "results" / "policies"
 POLICIES = ("static", "dynamic", "continuous")
 
@@ -101,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--repeats", type=int, default=2, help="capacity searches per policy")
     g.add_argument("--tolerance", type=float, default=0.15, help="search stops at hi/lo <= 1 + this")
     g.add_argument("--max-points", type=int, default=6, help="points per capacity search")
+    g.add_argument("--hold-duration", type=float, default=180.0,
+                   help="s: each search's limit is held this long, stepping down on failure")
+    g.add_argument("--max-holds", type=int, default=2, help="holds per search")
     g.add_argument("--command-timeout", type=float, default=2400.0, help="s per inflight bench command")
     g.add_argument("--log-dir", default="/tmp/inflight-policies-logs", help="server logs")
     g.add_argument("--skip-sweep", action="store_true")
@@ -150,6 +157,7 @@ def capacity_cmd(args, policy: str, out: pathlib.Path, rep: int) -> list[str]:
     return [args.inflight, "--log-level", "warning", "bench", "capacity", *common_flags(args, rep),
             "--time-scale", str(args.capacity_start), "--repeats", "1",
             "--tolerance", str(args.tolerance), "--max-points", str(args.max_points),
+            "--hold-duration", str(args.hold_duration), "--max-holds", str(args.max_holds),
             "--serve-cmd", serve_template(args), "--values", policy,
             "--save-result", str(out / f"capacity-{policy}-r{rep}.json")]
 
@@ -182,6 +190,7 @@ def machine_state() -> dict:
     newest = max((f.stat().st_mtime, str(f.relative_to(REPO))) for f in (REPO / "inflight").rglob("*")
                  if f.suffix in (".py", ".c") and f.is_file())
     return {"time": dt.datetime.now().isoformat(timespec="seconds"), "loadavg": list(os.getloadavg()),
+            "cpu_ticks": cpu_ticks(),
             "inflight_serve_processes": others, "git_head": head,
             "newest_source": {"file": newest[1],
                               "mtime": dt.datetime.fromtimestamp(newest[0]).isoformat(timespec="seconds")}}
@@ -212,9 +221,10 @@ def run_command(cmd: list[str], timeout: float, log: list[dict], label: str) -> 
         print(f"!!! {label}: over {timeout:g} s, stopped", flush=True)
     after = machine_state()
     wall = time.monotonic() - t0
-    print(f"{label}: exit {rc} in {wall:.0f} s; load average after: {after['loadavg']}", flush=True)
+    shares = cpu_shares(before, after)
+    print(f"{label}: exit {rc} in {wall:.0f} s; load average after: {after['loadavg']}; CPU {shares}", flush=True)
     log.append({"label": label, "command": shlex.join(cmd), "exit": rc, "wall_s": round(wall, 1),
-                "before": before, "after": after})
+                "before": before, "after": after, "cpu_shares": shares})
     return rc
 
 
@@ -232,8 +242,11 @@ def _f(v, digits=2):
 
 
 def _limit_point(res: dict) -> dict | None:
+    """The point that set the limit: its hold where one ran (the search's window at that
+    load is shorter evidence)."""
     ts = res["limits"][0]
-    return next((p for p in res["curve"] if p["passed"] and ts is not None and abs(p["x"] - ts) < 1e-12), None)
+    at = [p for p in res["curve"] if p["passed"] and ts is not None and abs(p["x"] - ts) < 1e-12]
+    return next((p for p in at if p.get("held")), at[0] if at else None)
 
 
 def _ci(ev: dict, key: str) -> dict | None:
@@ -284,11 +297,14 @@ def build_report(args, out: pathlib.Path, policies: list[str], runs: list[dict])
             "std": statistics.pstdev(rates) if len(rates) > 1 else (0.0 if rates else None),
             "min": min(rates) if rates else None, "max": max(rates) if rates else None,
             "completed_mean": statistics.fmean(done) if done else None,
-            "points": [{"repeat": rep, "time_scale": p["x"], "passed": p["passed"], "reasons": p["reasons"],
-                        "offered_rate": p["evidence"].get("offered_rate"),
+            "points": [{"repeat": rep, "time_scale": p["x"], "held": bool(p.get("held")), "passed": p["passed"],
+                        "reasons": p["reasons"], "offered_rate": p["evidence"].get("offered_rate"),
                         "completed_rate": p["evidence"].get("completed_rate"),
+                        "output_throughput": p["summary"].get("output_throughput"),
                         "ttft_p95": (p["summary"].get("ttft") or {}).get("p95"),
-                        "itl_p95": (p["summary"].get("itl") or {}).get("p95")}
+                        "itl_p95": (p["summary"].get("itl") or {}).get("p95"),
+                        "unfinished": p["evidence"].get("unfinished"), "failed": p["evidence"].get("failed"),
+                        "ttft_p95_ci": _ci(p["evidence"], "ttft_p95"), "causes": p["evidence"].get("causes", [])}
                        for rep, res in searches for p in res["curve"]],
             "lengths": searches[0][1]["fixed"].get("lengths"), "server_info": searches[0][1]["fixed"].get("server_info")}
     slo = {}
@@ -301,7 +317,8 @@ def build_report(args, out: pathlib.Path, policies: list[str], runs: list[dict])
                          "repeat_skip": args.repeat_skip, "length_scale": args.length_scale,
                          "max_input_len": args.max_input_len, "max_output_len": args.max_output_len,
                          "num_prompts": args.num_prompts, "duration": args.duration,
-                         "num_warmups": args.num_warmups, "seed": args.seed},
+                         "num_warmups": args.num_warmups, "seed": args.seed,
+                         "hold_duration": args.hold_duration, "max_holds": args.max_holds},
             "server_template": serve_template(args), "slo": slo, "capacity": capacity, "sweep": rows,
             "runs": runs}
 
@@ -323,6 +340,13 @@ def markdown_tables(report: dict) -> str:
                   "offered (time scale) | p95 TTFT at the limit [95% CI] (s) | broke above it | continuous / "
                   "policy |", "|---|---|---|---|---|---|---|"]
         for pol, c in cap.items():
+            if c["mean"] is None:
+                low = min(c["points"], key=lambda q: q["offered_rate"] or math.inf, default=None)
+                lines.append(f"| {pol} | none found | - | lowest load tried: {_f(low and low['offered_rate'])} "
+                             f"({_f(low and low['time_scale'], 3)}), failed | p95 TTFT there: "
+                             f"{_iv(low and low.get('ttft_p95_ci'))} | {', '.join(low['causes']) if low else '-'} "
+                             "| - |")
+                continue
             per = ", ".join(f"{_f(x['offered_rate'])} ({_f(x['time_scale'], 3)})" for x in c["searches"])
             ratio = cont / c["mean"] if cont and c["mean"] else None
             note = "" if c["bounded"] else " (lower bound)"
@@ -362,18 +386,24 @@ def plot(report: dict, path: pathlib.Path) -> None:
     FigureCanvasAgg(fig)
     (a1, a2), (a3, a4) = fig.subplots(2, 2)
     colors = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue"}
-    pols = list(dict.fromkeys([r["policy"] for r in report["sweep"]] + list(report["capacity"])))
+    # Without a sweep, the capacity searches' own points (holds included) draw the curves.
+    source = "sweep over time scales" if report["sweep"] else "capacity-search points"
+    curve = report["sweep"] or [{"policy": pol, **pt} for pol, c in report["capacity"].items() for pt in c["points"]]
+    pols = list(dict.fromkeys([r["policy"] for r in curve] + list(report["capacity"])))
     for pol in pols:
-        rs = sorted([r for r in report["sweep"] if r["policy"] == pol], key=lambda r: r["offered_rate"] or 0)
+        rs = sorted([r for r in curve if r["policy"] == pol], key=lambda r: r["offered_rate"] or 0)
         c = colors.get(pol)
-        x = [r["completed_rate"] for r in rs]
+        x = [r["offered_rate"] for r in rs]
         for ax, key in ((a1, "ttft_p95"), (a2, "itl_p95")):
             ax.plot(x, [r[key] if r[key] is not None else math.nan for r in rs], marker="o", color=c, label=pol)
+            held = [r for r in rs if r.get("held")]
+            ax.plot([r["offered_rate"] for r in held], [r[key] or math.nan for r in held], "s", ms=9, mfc="none",
+                    color=c, label=f"{pol}: held {report['workload'].get('hold_duration', 0):g} s" if held else None)
             for r in rs:
                 if r["unfinished"] or r["failed"]:
-                    ax.annotate(f"{r['unfinished'] or r['failed']} unfinished", (r["completed_rate"], r[key] or 0),
+                    ax.annotate(f"{r['unfinished'] or r['failed']} unfinished", (r["offered_rate"], r[key] or 0),
                                 fontsize=7, color=c, textcoords="offset points", xytext=(4, -10))
-        a3.plot([r["offered_rate"] for r in rs], [r["output_throughput"] for r in rs], marker="o", color=c,
+        a3.plot([r["offered_rate"] for r in rs], [r["output_throughput"] or math.nan for r in rs], marker="o", color=c,
                 label=pol)
     for ax, key, name in ((a1, "ttft_p95", "p95 TTFT (s)"), (a2, "itl_p95", "p95 ITL (s)")):
         target = _slo_seconds(report["slo"].get(key))
@@ -382,12 +412,17 @@ def plot(report: dict, path: pathlib.Path) -> None:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(ScalarFormatter())
-        ax.set_xlabel("completed in the window (req/s)")
+        ax.set_xlabel("offered in the window (req/s)")
         ax.set_ylabel(name)
-        ax.set_title(f"{name} vs throughput (sweep over time scales)")
+        ax.set_title(f"{name} vs offered load ({source})")
         ax.legend(loc="upper left")
     a3.set_xscale("log")
-    offered = sorted({round(r["offered_rate"], 2) for r in report["sweep"] if r["offered_rate"]})
+    offered = sorted({round(r["offered_rate"], 1) for r in curve if r["offered_rate"]})
+    ticks = []
+    for v in offered:  # ticks at least 10 % apart stay readable
+        if not ticks or v >= ticks[-1] * 1.1:
+            ticks.append(v)
+    offered = ticks
     a3.set_xticks(offered, [f"{v:g}" for v in offered], fontsize=7)
     a3.minorticks_off()
     a3.set_xlabel("offered rate (req/s, log)")
@@ -407,10 +442,10 @@ def plot(report: dict, path: pathlib.Path) -> None:
         a4.annotate(("" if cap[p]["bounded"] else ">=") + f"{cap[p]['mean']:.2f}", (i, cap[p]["max"]),
                     textcoords="offset points", xytext=(0, 6), ha="center")
     if names:
-        a4.set_ylim(0, max(cap[p]["max"] for p in names) * 1.15)
+        a4.set_ylim(0, max(cap[p]["max"] for p in names) * 1.35)
     a4.set_ylabel("operating limit (req/s offered)")
     a4.set_title("sustained operating limit: mean, min–max and each search")
-    a4.legend(loc="upper left")
+    a4.legend(loc="upper right")
     w = report["workload"]
     fig.suptitle(f"inflight batching policies, Azure conv trace (lengths x{w['length_scale']:g}, caps "
                  f"{w['max_input_len']}/{w['max_output_len']}, {w['duration']:g} s windows of >= "
@@ -446,7 +481,7 @@ def main(argv=None) -> int:
     old = None
     if args.report_only:
         old = load_json(out / "policies.json")
-        runs = (old or {}).get("runs", [])
+        runs = (old or {}).get("runs") or load_json(out / "runs.json") or []
     else:
         t0 = time.monotonic()
         runs.append({"label": "start", **machine_state()})
@@ -459,6 +494,8 @@ def main(argv=None) -> int:
                 for pol in policies[rep % len(policies):] + policies[:rep % len(policies)]:
                     run_command(capacity_cmd(args, pol, out, rep), args.command_timeout, runs,
                                 f"capacity {pol} search {rep + 1}/{args.repeats}")
+                    # A run stopped between rounds still reports what it measured (--report-only).
+                    (out / "runs.json").write_text(json.dumps(runs, indent=1))
         runs.append({"label": "end", "total_wall_s": round(time.monotonic() - t0, 1), **machine_state()})
     report = build_report(args, out, policies, runs)
     if args.report_only and old and old.get("driver"):

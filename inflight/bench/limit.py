@@ -12,7 +12,6 @@ when a point is not cached (``connect``).
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable, Protocol

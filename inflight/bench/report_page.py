@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import pathlib
 
+from inflight.bench.machine import cpu_shares
 from inflight.bench.report import _figure, _legend, _save
 
 _METRICS = (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "E2E"))
@@ -236,7 +237,19 @@ def _machine_lines(doc: dict) -> list[str]:
     return [f"- {start.get('cpu')}, {start.get('cores')} logical cores, {start.get('memory_gib')} GiB, "
             f"{start.get('os')}, Python {start.get('python')}",
             f"- load average (1/5/15 min): {start.get('loadavg')} at the start ({start.get('time')}), "
-            f"{end.get('loadavg')} at the end ({end.get('time')})"]
+            f"{end.get('loadavg')} at the end ({end.get('time')})",
+            *_cpu_share_lines(start, end)]
+
+
+def _cpu_share_lines(start: dict, end: dict) -> list[str]:
+    shares = cpu_shares(start, end)
+    if shares is None:
+        return []
+    line = (f"- CPU time over the run, all cores: {shares['busy']:.0%} busy, {shares['idle']:.0%} idle, "
+            f"{shares['steal']:.0%} stolen by the host")
+    if shares["steal"] >= 0.05:
+        line += " (a contended virtual machine: every step ran slower than on an idle host)"
+    return [line]
 
 
 def _at_limit_lines(point: dict | None) -> list[str]:
@@ -253,6 +266,19 @@ def _at_limit_lines(point: dict | None) -> list[str]:
     if ev.get("preemptions_per_request") is not None:
         lines.append(f"- preemptions: {ev['preemptions']:.0f} ({ev['preemptions_per_request']:.2f} per request)")
     return lines
+
+
+def _no_limit_lines(res: dict | None, by_scale: bool) -> list[str]:
+    """Why there is no limit: nothing passed, or the search passed and every hold failed."""
+    holds = [p for p in (res or {}).get("curve", []) if p.get("held")]
+    if not holds:
+        return ["**No load met the SLO.**", ""]
+    searched = [p["x"] for p in res["curve"] if p["passed"] and not p.get("held")]
+    top = (min(searched) if by_scale else max(searched)) if searched else None
+    tried = "; ".join(f"{p['x']:.4g} ({', '.join(p['evidence'].get('causes') or ['failed'])})" for p in holds)
+    return [f"**No load held.** The search passed up to {top:.4g} in its windows, and every "
+            f"{_held_seconds(res):.0f} s hold failed: {tried}. The operating limit lies below the lowest "
+            "load held; hold lower (`--max-holds`) or measure on a quieter machine (see Machine).", ""]
 
 
 def _held_seconds(res: dict) -> float:
@@ -293,7 +319,7 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
         sp = best["spread"]
         above = [a for a in best["failed_above"] if a is not None]
         lim = "time scale" if by_scale else "req/s"
-        how = (f"held for {_held_seconds(best):g} s" if best.get("held") else "searched, not held")
+        how = (f"held for {_held_seconds(best):.0f} s" if best.get("held") else "searched, not held")
         lines += [f"**Operating limit: {sp['mean']:.4g} {lim}**, {how} (over {sp['found']}/{sp['repeats']} searches: "
                   f"min {sp['min']:.4g}, max {sp['max']:.4g}"
                   + (f"; the next load up failed at {(max(above) if by_scale else min(above)):.4g}" if above else
@@ -301,8 +327,9 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
         if best.get("command"):
             lines += ["Configuration:", "", "```", best["command"], "```", ""]
     else:
-        lines += ["**No load met the SLO.**", ""]
-    lines += ["Measured at the limit:", "", *_at_limit_lines(point), ""]
+        lines += _no_limit_lines(best, by_scale)
+    if point is not None or not any(p.get("held") for p in (best or {}).get("curve", [])):
+        lines += ["Measured at the limit:", "", *_at_limit_lines(point), ""]
     if doc.get("kind") == "tune":
         lines += ["## One knob at a time", ""]
         for k in doc["knobs"]:
@@ -329,7 +356,7 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
               f"standard errors of the fitted growth; no failures; <= {th.get('preemption_threshold')} "
               "preemptions per request"]
     if best is not None and best.get("held"):
-        lines.append(f"- the search's limit is then held for {_held_seconds(best):g} s, by the same rules; a failed "
+        lines.append(f"- the search's limit is then held for {_held_seconds(best):.0f} s, by the same rules; a failed "
                      "hold steps the load down by the search's tolerance and holds again")
     lines.append("")
     lines += ["## Machine", "", *_machine_lines(doc), ""]

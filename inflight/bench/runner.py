@@ -249,6 +249,29 @@ async def wait_idle(session: Session, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.2)
 
 
+def _mark_cancelled(record: RequestRecord, now: float) -> None:
+    record.end_time, record.success = now, False
+    record.unfinished = record.phase == "sample"
+    record.cancelled = not record.unfinished
+    record.error = ("unfinished when the point ended" if record.unfinished
+                    else "cancelled after the sample ended")
+    if record.send_time == 0.0 and not record.chunk_times:
+        record.send_time = record.end_time
+
+
+def _settle(task: asyncio.Task, record: RequestRecord, now: float) -> None:
+    """Give a finished request task's record its outcome where the task body could not:
+    a task cancelled before its first step never enters its ``try`` (a cool-down request
+    created just as the point ends), and an unexpected exception skips the record."""
+    if task.cancelled():
+        if not (record.unfinished or record.cancelled):
+            _mark_cancelled(record, now)
+    elif task.exception() is not None and record.error is None:
+        e = task.exception()
+        record.success, record.end_time = False, record.end_time or now
+        record.error = f"{type(e).__name__}: {e}"
+
+
 async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None) -> PointResult:
     """Send the session's mix on ``arrival``'s schedule (``plan_point``); return every
     record, the summary over the sample, and the scraped server metrics.
@@ -284,13 +307,7 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
                     await _send(session, spec, record, clock)
         except asyncio.CancelledError:
             # Ours, not the caller's: the point is over for this request (see the doc).
-            record.end_time, record.success = clock(), False
-            record.unfinished = record.phase == "sample"
-            record.cancelled = not record.unfinished
-            record.error = ("unfinished when the point ended" if record.unfinished
-                            else "cancelled after the sample ended")
-            if record.send_time == 0.0 and not record.chunk_times:
-                record.send_time = record.end_time
+            _mark_cancelled(record, clock())
         if bar is not None and record.phase == "sample":
             bar.update(1)
         return record
@@ -298,6 +315,7 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
     records: list[RequestRecord] = []
     sample_tasks: list[asyncio.Task] = []
     other_tasks: list[asyncio.Task] = []
+    tasks: list[asyncio.Task] = []  # in step with records
     all_sample_sent = asyncio.Event()
 
     async def sender() -> None:
@@ -312,6 +330,7 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
                 record = RequestRecord(i, slot.offset, warmup=slot.phase != "sample", phase=slot.phase)
                 records.append(record)
                 task = asyncio.create_task(one(record, slot.spec))
+                tasks.append(task)
                 (sample_tasks if slot.phase == "sample" else other_tasks).append(task)
                 if i == last_sample:
                     all_sample_sent.set()
@@ -331,6 +350,8 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
         for t in sample_tasks + other_tasks:
             t.cancel()  # a no-op on finished tasks; cancels the unfinished and the cool-down
         await asyncio.gather(send_task, *sample_tasks, *other_tasks, return_exceptions=True)
+    for task, record in zip(tasks, records):
+        _settle(task, record, clock())
     stop.set()
     if scrape_task is not None:
         await scrape_task

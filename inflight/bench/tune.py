@@ -5,7 +5,8 @@ max-num-batched-tokens=128,256,512``): for each knob in the order given, start t
 server command with that knob set to each value in turn (every other knob at its best so
 far), find each configuration's operating limit (``limit.find_limit``: sustained points,
 SLO statistics with confidence), keep the value with the highest limit and move on. A tie
-keeps the value the configuration already had, else the first listed. Values are ranked on
+goes to the value that uses clearly less of its tightest target at that load, else keeps
+the value the configuration already had (``choose``). Values are ranked on
 their searches' limits; the recommended configuration's limit is then held
 (``--hold-duration``, see ``capacity``) and reported as held.
 
@@ -149,9 +150,25 @@ def _mean_limit(res: LimitResult) -> float:
     return -1.0 if m is None else m
 
 
+TIE_MARGIN = 0.1  # a tied value must use 10 % less of its tightest target to replace another
+
+
+def slo_usage(res: LimitResult) -> float:
+    """The tightest target's use at the limit: max over the SLO statistics of the upper end
+    of the 95 % interval / the target at ``res.best_point`` (1.0 = at the target). Infinite
+    without a passing point."""
+    p = res.best_point
+    slo = ((p or {}).get("evidence") or {}).get("slo") or {}
+    ratios = [float(iv["hi"]) / iv["target"] for iv in slo.values() if iv.get("target")]
+    return max(ratios) if ratios else float("inf")
+
+
 def choose(results: dict[str, LimitResult], current: str | None, by_scale: bool) -> str:
-    """The value with the highest limit (the smallest time scale for trace replay); a tie
-    keeps ``current``, else the first listed."""
+    """The value with the highest limit (the smallest time scale for trace replay). Values
+    tied at it (same load, same arrivals) are told apart by the room they leave under the
+    SLO there (:func:`slo_usage`): the one with the least use wins when it uses at least
+    ``TIE_MARGIN`` less than ``current`` (else the first listed); otherwise ``current``
+    stays, since a small difference between two servers measured minutes apart is noise."""
     def score(v: str) -> float:
         m = results[v].spread["mean"]
         if m is None:
@@ -159,7 +176,11 @@ def choose(results: dict[str, LimitResult], current: str | None, by_scale: bool)
         return 1 / m if by_scale else m
     best = max(score(v) for v in results)
     tied = [v for v in results if score(v) == best]
-    return current if current in tied else tied[0]
+    keep = current if current in tied else tied[0]
+    roomiest = min(tied, key=lambda v: slo_usage(results[v]))
+    if slo_usage(results[roomiest]) < (1 - TIE_MARGIN) * slo_usage(results[keep]):
+        return roomiest
+    return keep
 
 
 def why_lost(name: str, value: str, res: LimitResult, best: str, best_res: LimitResult, unit: str) -> str:
@@ -173,7 +194,9 @@ def why_lost(name: str, value: str, res: LimitResult, best: str, best_res: Limit
         return f"{name}={value}: no load passed (lowest tried: {reasons})"
     causes = ", ".join(res.lost_because()) or "not bounded: the highest load tried still passed"
     if m == b:
-        return f"{name}={value}: tied at {m:.4g} {unit}, kept {best}; above it: {causes}"
+        use, best_use = slo_usage(res), slo_usage(best_res)
+        return (f"{name}={value}: tied at {m:.4g} {unit} with {best} (tightest target used there: "
+                f"{use:.0%} vs {best_use:.0%}); above it: {causes}")
     return f"{name}={value}: {m:.4g} {unit} vs {b:.4g} for {best}; above its limit: {causes}"
 
 

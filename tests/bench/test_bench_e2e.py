@@ -140,6 +140,33 @@ def test_unfinished_sample_requests_end_at_the_deadline(fake_server, data_dir):
     assert not any(r.unfinished for r in point.records if r.index != 3)
 
 
+def test_a_request_cancelled_before_it_starts_is_not_a_failure():
+    # A cool-down request created just as the point ends is cancelled before its first
+    # step: its body (and its except) never runs. CI once counted one as "failed".
+    from inflight.bench.client import RequestRecord
+    from inflight.bench.runner import _settle
+
+    async def body():
+        raise AssertionError("never runs")
+
+    async def boom():
+        raise OSError("connection reset")
+
+    async def go():
+        early, crashed = asyncio.create_task(body()), asyncio.create_task(boom())
+        early.cancel()
+        await asyncio.gather(early, crashed, return_exceptions=True)
+        cool, sample, other = (RequestRecord(0, 0.0, phase="cooldown"), RequestRecord(1, 0.0, phase="sample"),
+                               RequestRecord(2, 0.0, phase="sample"))
+        _settle(early, cool, 2.0), _settle(early, sample, 2.0), _settle(crashed, other, 2.0)
+        return cool, sample, other
+
+    cool, sample, other = asyncio.run(go())
+    assert cool.cancelled and not cool.unfinished and cool.end_time == cool.send_time == 2.0
+    assert sample.unfinished and not sample.cancelled and not sample.success
+    assert other.error == "OSError: connection reset" and not other.success and not other.unfinished
+
+
 def test_approx_tokenizer_without_tokenize_endpoint(fake_server, data_dir):
     srv = fake_server(ServerState(tokenize=False))
     ds = DatasetConfig(name="sonnet", num_prompts=3, input_len=20, output_len=2, data_dir=str(data_dir))

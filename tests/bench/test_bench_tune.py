@@ -15,7 +15,7 @@ import time
 import pytest
 
 from inflight.bench.__main__ import main
-from inflight.bench.tune import choose, parse_knob, set_flag
+from inflight.bench.tune import choose, parse_knob, set_flag, slo_usage
 
 SCRIPT = pathlib.Path(__file__).with_name("bench_fake_openai.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -58,13 +58,22 @@ def test_knob_parsing_and_choice():
     assert set_flag(["serve"], "block-size", "32") == ["serve", "--block-size", "32"]
 
     class R:
-        def __init__(self, mean):
+        def __init__(self, mean, ttft_hi=1.5, itl_hi=0.4):  # upper 95 % bounds at the limit (s)
             self.spread = {"mean": mean}
+            slo = {"ttft_p95": {"hi": ttft_hi, "target": 2.0}, "itl_p95": {"hi": itl_hi, "target": 1.0}}
+            self.best_point = None if mean is None else {"evidence": {"slo": slo}}
     results = {"8": R(2.0), "16": R(3.0), "32": R(3.0), "64": R(None)}
     assert choose(results, current="32", by_scale=False) == "32"  # a tie keeps the current value
     assert choose(results, current="8", by_scale=False) == "16"  # else the first listed
     # Trace replay: the smaller time scale is the higher load.
     assert choose({"a": R(0.5), "b": R(0.25)}, None, by_scale=True) == "b"
+    # A tie goes to clearly more room under the tightest target: 128 uses 56 % (TTFT 1.12 of
+    # 2 s), 256 uses 99 %; 5 % less is noise, and the current value stays.
+    assert slo_usage(R(4.2, ttft_hi=1.12)) == pytest.approx(0.56)
+    assert slo_usage(R(4.2, ttft_hi=0.2, itl_hi=0.9)) == pytest.approx(0.9)  # the tightest of the two
+    assert choose({"128": R(4.2, ttft_hi=1.12), "256": R(4.2, ttft_hi=1.98)}, "256", False) == "128"
+    assert choose({"128": R(4.2, ttft_hi=1.9), "256": R(4.2, ttft_hi=1.98)}, "256", False) == "256"
+    assert choose({"128": R(4.0, ttft_hi=0.1), "256": R(4.2, ttft_hi=1.98)}, "256", False) == "256"
 
 
 def test_tune_picks_the_best_value_per_knob_and_resumes(data_dir, tmp_path, capsys):
