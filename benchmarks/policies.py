@@ -434,6 +434,11 @@ def plot(report: dict, path: pathlib.Path) -> None:
     means = [cap[p]["mean"] for p in names]
     err = [[cap[p]["mean"] - cap[p]["min"] for p in names], [cap[p]["max"] - cap[p]["mean"] for p in names]]
     a4.bar(names, means, yerr=err, capsize=6, color=[colors.get(p) for p in names])
+    for p in (p for p in pols if p in cap and cap[p]["mean"] is None):  # a bar of nothing, said in words
+        low = min((q["offered_rate"] for q in cap[p]["points"] if q["offered_rate"]), default=None)
+        a4.bar([p], [0], color=colors.get(p))
+        a4.annotate(f"none: failed down to\n{low:.2g} req/s" if low else "none", (p, 0), textcoords="offset points",
+                    xytext=(0, 6), ha="center", fontsize=8)
     for i, p in enumerate(names):
         offered = [x["offered_rate"] for x in cap[p]["searches"] if x["offered_rate"] is not None]
         done = [x["completed_rate"] for x in cap[p]["searches"] if x["completed_rate"] is not None]

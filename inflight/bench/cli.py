@@ -34,6 +34,23 @@ def _rate(text: str) -> float:
     return v
 
 
+def _count(minimum: int):
+    """An int flag of at least ``minimum``: argparse names the flag in its error."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}")
+        return v
+    return parse
+
+
+def _fraction_above_zero(text: str) -> float:
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError("must be > 0")
+    return v
+
+
 def _floats(text: str) -> list[float]:
     return [_rate(x) for x in text.split(",") if x.strip()]
 
@@ -70,7 +87,7 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", choices=tuple(BUILDERS), default="random")
     g.add_argument("--data-dir", default=None,
                    help=f"folder of the data files (default $INFLIGHT_DATA_DIR or {default_data_dir()})")
-    g.add_argument("--num-prompts", type=int, default=100, help="requests counted (default %(default)s)")
+    g.add_argument("--num-prompts", type=_count(1), default=100, help="requests counted (default %(default)s)")
     g.add_argument("--num-warmups", type=int, default=0, help="uncounted requests sent first")
     g.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="POST /reset_prefix_cache before each measured point, to start cold "
@@ -208,13 +225,13 @@ def _search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-max", type=_rate, default=1000.0)
     g.add_argument("--time-scale-min", type=_rate, default=0.001, help="--arrival trace: smallest time scale")
     g.add_argument("--time-scale-max", type=_rate, default=1000.0, help="--arrival trace: largest time scale")
-    g.add_argument("--tolerance", type=float, default=0.1, help="stop when hi/lo <= 1 + tolerance")
-    g.add_argument("--max-points", type=int, default=12, help="points per search")
-    g.add_argument("--repeats", type=int, default=1, help="searches (seeds seed, seed+1, ...)")
+    g.add_argument("--tolerance", type=_fraction_above_zero, default=0.1, help="stop when hi/lo <= 1 + tolerance")
+    g.add_argument("--max-points", type=_count(1), default=12, help="points per search")
+    g.add_argument("--repeats", type=_count(1), default=1, help="searches (seeds seed, seed+1, ...)")
     g.add_argument("--hold-duration", type=float, default=None, metavar="S",
                    help="hold each search's limit for a window of S s before reporting it; if it fails, "
                         "step down by 1 + tolerance and hold again (default 5 x --duration; 0: no hold)")
-    g.add_argument("--max-holds", type=int, default=3, help="holds per search, at most (default %(default)s)")
+    g.add_argument("--max-holds", type=_count(0), default=3, help="holds per search, at most (default %(default)s)")
     g = p.add_argument_group("sustained load")
     g.add_argument("--preemption-threshold", type=float, default=DEFAULT_PREEMPTION_THRESHOLD,
                    help="fail a point above this many preemptions per completed request")
@@ -245,7 +262,10 @@ def run_bench(args) -> int:
         print(f"inflight bench {command}: error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, OSError, httpx.HTTPError) as e:
-        print(f"inflight bench {command}: error: {e}", file=sys.stderr)
+        folder = str(getattr(args, "data_dir", None) or default_data_dir())
+        hint = (f"; data files are read from {folder} (--data-dir, or $INFLIGHT_DATA_DIR)"
+                if isinstance(e, FileNotFoundError) and str(e.filename or "").startswith(folder) else "")
+        print(f"inflight bench {command}: error: {e}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

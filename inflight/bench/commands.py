@@ -140,6 +140,8 @@ async def _maybe_server(args, value):
 
 def _values(args) -> list:
     """The knob values to start ``--serve-cmd`` with; [None] for one server as given."""
+    if args.serve_cmd is not None and not args.serve_cmd.strip():
+        raise ValueError("--serve-cmd is empty: give the command that starts the server")
     if args.values and not args.serve_cmd:
         raise ValueError("--values needs --serve-cmd")
     if args.serve_cmd and "{value}" in args.serve_cmd and not args.values:
@@ -255,6 +257,9 @@ def search_space(args, base: ArrivalConfig) -> SearchSpace:
     hold = args.hold_duration if args.hold_duration is not None else 5 * (base.duration or 0)
     if hold < 0:
         raise ValueError("--hold-duration must be >= 0")
+    if hold and base.duration and hold <= base.duration:
+        raise ValueError(f"--hold-duration {hold:g} s is not longer than a search window (--duration "
+                         f"{base.duration:g} s): a hold would only repeat the search's point (0 turns holds off)")
     common = dict(tolerance=args.tolerance, max_points=args.max_points, repeats=args.repeats,
                   hold_duration=hold or None, max_holds=args.max_holds)
     if base.process == "trace":

@@ -12,6 +12,7 @@ when a point is not cached (``connect``).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable, Protocol
@@ -52,6 +53,9 @@ class SearchSpace:
         if held:
             warm, drain = base.phases()
             extra = {"duration": self.hold_duration, "warmup_duration": warm, "drain_timeout": drain}
+            if base.duration and base.min_requests:
+                # The sample grows with the window: a hold of 5 windows counts >= 5x the requests.
+                extra["min_requests"] = math.ceil(base.min_requests * self.hold_duration / base.duration)
         return replace(base, seed=base.seed + repeat, **extra,
                        **({"time_scale": 1 / load} if self.by_scale else {"rate": load}))
 

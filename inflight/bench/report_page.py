@@ -238,7 +238,17 @@ def _machine_lines(doc: dict) -> list[str]:
             f"{start.get('os')}, Python {start.get('python')}",
             f"- load average (1/5/15 min): {start.get('loadavg')} at the start ({start.get('time')}), "
             f"{end.get('loadavg')} at the end ({end.get('time')})",
-            *_cpu_share_lines(start, end)]
+            *_busy_lines(start), *_cpu_share_lines(start, end)]
+
+
+def _busy_lines(start: dict) -> list[str]:
+    """A warning when other work held the machine as the run began (its own server and
+    client had not started: a 1-minute load average of half the cores is someone else's)."""
+    load, cores = start.get("loadavg"), start.get("cores")
+    if not load or not cores or load[0] < 0.5 * cores:
+        return []
+    return [f"- **busy before the run**: 1-minute load average {load[0]:g} on {cores} cores; other work "
+            "shared the CPU, so the limit is lower than on an idle machine"]
 
 
 def _cpu_share_lines(start: dict, end: dict) -> list[str]:
@@ -327,8 +337,9 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
         if best.get("command"):
             lines += ["Configuration:", "", "```", best["command"], "```", ""]
     else:
-        lines += _no_limit_lines(best, by_scale)
-    if point is not None or not any(p.get("held") for p in (best or {}).get("curve", [])):
+        lines += _no_limit_lines(best or (doc.get("results") or [None])[0], by_scale)
+    searched = doc.get("results") or ([best] if best else [])
+    if point is not None or not any(p.get("held") for r in searched for p in r.get("curve", [])):
         lines += ["Measured at the limit:", "", *_at_limit_lines(point), ""]
     if doc.get("kind") == "tune":
         lines += ["## One knob at a time", ""]
@@ -342,7 +353,9 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
         for value, res in values:
             sp = res["spread"]
             above = [a for a in res["failed_above"] if a is not None]
-            causes = sorted({c for p in res["curve"] if not p["passed"] for c in p["evidence"].get("causes", [])})
+            # What failed at the first failing load above the limit, not at every failure.
+            causes = sorted({c for p in res["curve"] if not p["passed"] and p["x"] in above
+                             for c in p["evidence"].get("causes", [])})
             lines.append(f"| {name} | {value} | {_s(sp['mean'], 4)} ± {_s(sp['std'], 2)} | {_s(sp['min'], 4)} – "
                          f"{_s(sp['max'], 4)} | {', '.join(_s(a, 4) for a in above) or '-'} | {', '.join(causes) or '-'} |")
     lines += ["", "## Workload", "", *_workload_lines(doc, fixed), "", "![length distributions](lengths.png)", ""]

@@ -126,13 +126,16 @@ def parse_slo(text: str | None) -> SLO:
         metric = _ALIASES.get(metric, metric)
         if metric not in METRICS:
             raise ValueError(f"unknown SLO metric {metric!r} (ttft, tpot, itl, e2e)")
+        target = _seconds(val)
+        if not target > 0:
+            raise ValueError(f"bad SLO item {part!r}: the target must be > 0 s")
         if not stat:
-            slo.per_request[metric] = _seconds(val)
+            slo.per_request[metric] = target
             continue
         stat = _ALIASES.get(stat, stat)
         if stat not in ("mean", "p50", "p90", "p95", "p99", "max"):
             raise ValueError(f"unknown SLO statistic {stat!r} (mean, median, p90, p95, p99, max)")
-        slo.aggregate[(metric, stat)] = _seconds(val)
+        slo.aggregate[(metric, stat)] = target
     return slo
 
 

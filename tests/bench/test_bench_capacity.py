@@ -181,3 +181,14 @@ def test_stable_load_below_the_service_rate_passes_with_evidence(fake_server, da
     assert ev["unfinished"] == 0 and ev["failed"] == 0 and ev["causes"] == []
     # Warm-up and cool-down requests went out but are not in the summary.
     assert point.summary["completed"] == len(sample) < len(point.records)
+
+
+def test_a_hold_counts_more_requests_than_a_search_point():
+    # A 60 s window of >= 100 requests: a 300 s hold needs >= 500, so at a low rate (where
+    # the 100 would stretch the window) the hold is still five times the search's sample.
+    base = ArrivalConfig(process="poisson", rate=1.0, duration=60.0, min_requests=100, seed=3)
+    space = SearchSpace(False, 1.0, 0.1, 10.0, hold_duration=300.0)
+    held, point = space.arrival(base, 0.5, repeat=1, held=True), space.arrival(base, 0.5, repeat=1)
+    assert (held.duration, held.min_requests, held.rate, held.seed) == (300.0, 500, 0.5, 4)
+    assert (point.duration, point.min_requests) == (60.0, 100)
+    assert held.phases() == base.phases()  # warm-up and drain as the search's

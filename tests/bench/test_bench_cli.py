@@ -69,6 +69,30 @@ def test_usage_errors(fake_server, data_dir, capsys):
     assert "needs" in capsys.readouterr().err
 
 
+def test_bad_search_flags_are_refused_before_any_load(fake_server, data_dir, tmp_path, capsys):
+    srv = fake_server()
+    base = ["capacity", *common(srv.base_url, data_dir), "--slo", "ttft_p95=1"]
+    for flags, message in ((["--max-points", "0"], "--max-points: must be >= 1"),
+                           (["--repeats", "0"], "--repeats: must be >= 1"),
+                           (["--tolerance", "-1"], "--tolerance: must be > 0"),
+                           (["--max-holds", "-1"], "--max-holds: must be >= 0"),
+                           (["--num-prompts", "-3"], "--num-prompts: must be >= 1")):
+        with pytest.raises(SystemExit):
+            main([*base, *flags])
+        assert message in capsys.readouterr().err
+    assert main([*base[:-1], "ttft_p95=-1"]) == 2
+    assert "the target must be > 0 s" in capsys.readouterr().err
+    assert main([*base, "--duration", "10", "--hold-duration", "10"]) == 2
+    assert "not longer than a search window" in capsys.readouterr().err
+    assert main(["tune", *base[1:], "--serve-cmd", " ", "--knob", "a=1"]) == 2
+    assert "--serve-cmd is empty" in capsys.readouterr().err
+    assert main(["tune", *base[1:], "--serve-cmd", "x", "--knob", "a=1", "--knob", "a=2"]) == 2
+    assert "--knob a given more than once" in capsys.readouterr().err
+    # A missing data file names the folder it was looked for in, and how to change it.
+    assert main(["serve", *common(srv.base_url, tmp_path), "--dataset", "trace", "--num-prompts", "2"]) == 1
+    assert f"data files are read from {tmp_path} (--data-dir, or $INFLIGHT_DATA_DIR)" in capsys.readouterr().err
+
+
 def test_unreachable_server_is_exit_1(data_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -52,3 +52,11 @@ def test_report_says_why_there_is_no_limit():
     assert line.startswith("**No load held.** The search passed up to 4 in its windows, and every 300 s hold")
     assert "4 (queue, ttft_p95); 3.478 (ttft_p95)" in line
     assert _no_limit_lines({"curve": [point(2.0, False, False, ["queue"])]}, False)[0] == "**No load met the SLO.**"
+
+
+def test_report_warns_when_the_machine_was_busy_before_the_run():
+    busy = {**_snap(user=0), "cores": 2, "loadavg": [1.5, 1.0, 0.5]}
+    lines = _machine_lines({"machine": {"start": busy, "end": _snap(user=100)}})
+    assert any(line.startswith("- **busy before the run**: 1-minute load average 1.5 on 2 cores") for line in lines)
+    idle = {**busy, "loadavg": [0.4, 0.3, 0.2]}
+    assert not any("busy before" in line for line in _machine_lines({"machine": {"start": idle, "end": idle}}))
