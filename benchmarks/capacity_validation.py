@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 
+from inflight.bench.limit import lost_because
 from inflight.bench.machine import describe_machine
 from inflight.bench.server_proc import ServerProcess
 
@@ -169,8 +170,7 @@ def main(argv=None) -> int:
             held.append(held_row(doc, f"{factor:g}x the limit"))
     finally:
         server.stop()
-    lost = sorted({c for p in res["curve"] if not p["passed"] and p["x"] == res["failed_above"][0]
-                   for c in p["evidence"].get("causes", [])})
+    lost = sorted(lost_because(res))
     summary = {"capacity": {"limit": limit, "failed_above": res["failed_above"][0], "lost_because": lost,
                             "points": [{"rate": p["x"], "held": p.get("held"), "passed": p["passed"],
                                         "reasons": p["reasons"], "offered_rate": p["evidence"]["offered_rate"],

@@ -56,9 +56,10 @@ import subprocess
 import sys
 import time
 
+from inflight.bench.limit import best_point, lost_because
+from inflight.bench.machine import cpu_shares, cpu_ticks
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from inflight.bench.machine import cpu_shares, cpu_ticks  # noqa: E402
 DEFAULT_OUT = REPO / "docs" / "results" / "policies"
 POLICIES = ("static", "dynamic", "continuous")
 
@@ -241,14 +242,6 @@ def _f(v, digits=2):
     return f"{v:.{digits}f}"
 
 
-def _limit_point(res: dict) -> dict | None:
-    """The point that set the limit: its hold where one ran (the search's window at that
-    load is shorter evidence)."""
-    ts = res["limits"][0]
-    at = [p for p in res["curve"] if p["passed"] and ts is not None and abs(p["x"] - ts) < 1e-12]
-    return next((p for p in at if p.get("held")), at[0] if at else None)
-
-
 def _ci(ev: dict, key: str) -> dict | None:
     iv = (ev.get("slo") or {}).get(key)
     return None if not iv else {k: iv[k] for k in ("estimate", "lo", "hi", "n")}
@@ -280,15 +273,13 @@ def build_report(args, out: pathlib.Path, policies: list[str], runs: list[dict])
             continue
         limits = []
         for rep, res in searches:
-            p = _limit_point(res)
+            p = best_point(res)
             ev = (p or {}).get("evidence") or {}
             limits.append({"repeat": rep, "trace_skip": args.trace_skip + rep * args.repeat_skip,
                            "time_scale": res["limits"][0], "failed_above": res["failed_above"][0],
                            "offered_rate": ev.get("offered_rate"), "completed_rate": ev.get("completed_rate"),
                            "ttft_p95_ci": _ci(ev, "ttft_p95"), "itl_p95_ci": _ci(ev, "itl_p95"),
-                           "lost_because": sorted({c for q in res["curve"] if not q["passed"]
-                                                   and q["x"] == res["failed_above"][0]
-                                                   for c in q["evidence"].get("causes", [])})})
+                           "lost_because": sorted(lost_because(res))})
         rates = [x["offered_rate"] for x in limits if x["offered_rate"] is not None]
         done = [x["completed_rate"] for x in limits if x["completed_rate"] is not None]
         capacity[pol] = {

@@ -44,11 +44,10 @@ def _count(minimum: int):
     return parse
 
 
-def _fraction_above_zero(text: str) -> float:
-    v = float(text)
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError("must be > 0")
-    return v
+def _command(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give the command that starts the server")
+    return text
 
 
 def _floats(text: str) -> list[float]:
@@ -162,11 +161,11 @@ def _fraction(text: str) -> float:
 def _server_args(p: argparse.ArgumentParser, tune: bool = False) -> None:
     g = p.add_argument_group("server per configuration")
     if tune:
-        g.add_argument("--serve-cmd", metavar="COMMAND", required=True,
+        g.add_argument("--serve-cmd", metavar="COMMAND", required=True, type=_command,
                        help="the base server command, e.g. 'inflight serve --port 8000 --max-num-seqs 32'; "
                             "each --knob value is set on it in turn")
     else:
-        g.add_argument("--serve-cmd", metavar="TEMPLATE",
+        g.add_argument("--serve-cmd", metavar="TEMPLATE", type=_command,
                        help="start the server per value: a command with {value}, e.g. "
                             "'inflight serve --port 8000 --max-num-seqs {value}'")
         g.add_argument("--values", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
@@ -225,7 +224,7 @@ def _search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-max", type=_rate, default=1000.0)
     g.add_argument("--time-scale-min", type=_rate, default=0.001, help="--arrival trace: smallest time scale")
     g.add_argument("--time-scale-max", type=_rate, default=1000.0, help="--arrival trace: largest time scale")
-    g.add_argument("--tolerance", type=_fraction_above_zero, default=0.1, help="stop when hi/lo <= 1 + tolerance")
+    g.add_argument("--tolerance", type=_rate, default=0.1, help="stop when hi/lo <= 1 + tolerance")
     g.add_argument("--max-points", type=_count(1), default=12, help="points per search")
     g.add_argument("--repeats", type=_count(1), default=1, help="searches (seeds seed, seed+1, ...)")
     g.add_argument("--hold-duration", type=float, default=None, metavar="S",

@@ -79,23 +79,37 @@ class LimitResult:
 
     @property
     def best_point(self) -> dict | None:
-        """The point that set the highest limit: its hold, where held (p95s and timeline)."""
-        passing = [p for p in self.curve if p["passed"] and p.get("held", False) == self.held]
-        return max(passing, key=lambda p: p["load"], default=None)
+        """The point that set the highest limit (see :func:`best_point`)."""
+        return best_point(self.to_json())
 
     def lost_because(self) -> list[str]:
-        """Why loads above the limit failed: the causes at each repeat's failing point."""
-        causes: list[str] = []
-        for rep, above in enumerate(self.failed_above):
-            for p in self.curve:
-                if p["repeat"] == rep and not p["passed"] and above is not None and p["x"] == above:
-                    causes += [c for c in p["evidence"].get("causes", []) if c not in causes]
-        return causes
+        """Why loads above the limit failed (see :func:`lost_because`)."""
+        return lost_because(self.to_json())
 
     def to_json(self) -> dict:
         return {"value": self.label, "command": self.command, "limits": self.limits,
                 "failed_above": self.failed_above, "spread": self.spread, "bounded": self.bounded,
                 "held": self.held, "fixed": self.fixed, "curve": self.curve}
+
+
+def best_point(result: dict) -> dict | None:
+    """The point that set the highest limit of a ``LimitResult.to_json()`` (or its saved
+    JSON): the highest passing load, among the holds where the limit was held. Its p95s
+    and timeline are the figures at the limit."""
+    held = result.get("held", False)
+    passing = [p for p in result["curve"] if p["passed"] and p.get("held", False) == held]
+    return max(passing, key=lambda p: p["load"], default=None)
+
+
+def lost_because(result: dict) -> list[str]:
+    """Why loads above the limit failed: the verdict causes at each repeat's first failing
+    load above its limit (search point or hold), in order of first appearance."""
+    causes: list[str] = []
+    for rep, above in enumerate(result["failed_above"]):
+        for p in result["curve"]:
+            if p["repeat"] == rep and not p["passed"] and above is not None and p["x"] == above:
+                causes += [c for c in p["evidence"].get("causes", []) if c not in causes]
+    return causes
 
 
 class PointCache(Protocol):

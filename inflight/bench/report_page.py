@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import pathlib
 
+from inflight.bench.limit import best_point, lost_because
 from inflight.bench.machine import cpu_shares
 from inflight.bench.report import _figure, _legend, _save
 
@@ -37,15 +38,6 @@ def _best(doc: dict) -> dict | None:
         return None
     by_scale = doc.get("search") == "time_scale"
     return min(found, key=lambda r: r["spread"]["mean"]) if by_scale else max(found, key=lambda r: r["spread"]["mean"])
-
-
-def _best_point(res: dict | None) -> dict | None:
-    """The point that set the limit: the passing hold, where the limit was held."""
-    if not res:
-        return None
-    held = res.get("held", False)
-    passing = [p for p in res["curve"] if p["passed"] and p.get("held", False) == held]
-    return max(passing, key=lambda p: p["load"], default=None)
 
 
 def _num(v) -> float:
@@ -317,7 +309,7 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     groups = _groups(doc)
     best = _best(doc)
-    point = _best_point(best)
+    point = best_point(best) if best else None
     by_scale = doc.get("search") == "time_scale"
     unit = "1 / time scale" if by_scale else "req/s"
     fixed = (best or groups[0][1][0][1]).get("fixed") or {}
@@ -353,9 +345,7 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
         for value, res in values:
             sp = res["spread"]
             above = [a for a in res["failed_above"] if a is not None]
-            # What failed at the first failing load above the limit, not at every failure.
-            causes = sorted({c for p in res["curve"] if not p["passed"] and p["x"] in above
-                             for c in p["evidence"].get("causes", [])})
+            causes = sorted(lost_because(res))
             lines.append(f"| {name} | {value} | {_s(sp['mean'], 4)} ± {_s(sp['std'], 2)} | {_s(sp['min'], 4)} – "
                          f"{_s(sp['max'], 4)} | {', '.join(_s(a, 4) for a in above) or '-'} | {', '.join(causes) or '-'} |")
     lines += ["", "## Workload", "", *_workload_lines(doc, fixed), "", "![length distributions](lengths.png)", ""]

@@ -260,12 +260,11 @@ def _mark_cancelled(record: RequestRecord, now: float) -> None:
 
 
 def _settle(task: asyncio.Task, record: RequestRecord, now: float) -> None:
-    """Give a finished request task's record its outcome where the task body could not:
-    a task cancelled before its first step never enters its ``try`` (a cool-down request
-    created just as the point ends), and an unexpected exception skips the record."""
+    """Give an ended request task's record its outcome: cancelled at the point's end
+    (``now``), whether or not it had started (a cool-down request created just as the point
+    ends never runs a line), or ended by an unexpected exception."""
     if task.cancelled():
-        if not (record.unfinished or record.cancelled):
-            _mark_cancelled(record, now)
+        _mark_cancelled(record, now)
     elif task.exception() is not None and record.error is None:
         e = task.exception()
         record.success, record.end_time = False, record.end_time or now
@@ -299,23 +298,20 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
                    if before is not None else None)
 
     async def one(record: RequestRecord, spec: RequestSpec) -> RequestRecord:
-        try:
-            if sem is None:
+        # Cancelled by the point's end (ours, not the caller's), a task just stops: _settle
+        # gives its record the outcome.
+        if sem is None:
+            await _send(session, spec, record, clock)
+        else:
+            async with sem:
                 await _send(session, spec, record, clock)
-            else:
-                async with sem:
-                    await _send(session, spec, record, clock)
-        except asyncio.CancelledError:
-            # Ours, not the caller's: the point is over for this request (see the doc).
-            _mark_cancelled(record, clock())
         if bar is not None and record.phase == "sample":
             bar.update(1)
         return record
 
     records: list[RequestRecord] = []
     sample_tasks: list[asyncio.Task] = []
-    other_tasks: list[asyncio.Task] = []
-    tasks: list[asyncio.Task] = []  # in step with records
+    tasks: list[asyncio.Task] = []  # every request's, in step with records
     all_sample_sent = asyncio.Event()
 
     async def sender() -> None:
@@ -331,7 +327,8 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
                 records.append(record)
                 task = asyncio.create_task(one(record, slot.spec))
                 tasks.append(task)
-                (sample_tasks if slot.phase == "sample" else other_tasks).append(task)
+                if slot.phase == "sample":
+                    sample_tasks.append(task)
                 if i == last_sample:
                     all_sample_sent.set()
         finally:
@@ -340,18 +337,20 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
     send_task = asyncio.create_task(sender())
     if window is None:
         await send_task
-        await asyncio.gather(*sample_tasks)
+        await asyncio.gather(*tasks)
+        ended = clock()
     else:
         await all_sample_sent.wait()
         left = window.deadline - clock()
         if sample_tasks and left > 0:
             await asyncio.wait(sample_tasks, timeout=left)
+        ended = clock()
         send_task.cancel()
-        for t in sample_tasks + other_tasks:
+        for t in tasks:
             t.cancel()  # a no-op on finished tasks; cancels the unfinished and the cool-down
-        await asyncio.gather(send_task, *sample_tasks, *other_tasks, return_exceptions=True)
+        await asyncio.gather(send_task, *tasks, return_exceptions=True)
     for task, record in zip(tasks, records):
-        _settle(task, record, clock())
+        _settle(task, record, ended)
     stop.set()
     if scrape_task is not None:
         await scrape_task

@@ -74,7 +74,7 @@ def test_bad_search_flags_are_refused_before_any_load(fake_server, data_dir, tmp
     base = ["capacity", *common(srv.base_url, data_dir), "--slo", "ttft_p95=1"]
     for flags, message in ((["--max-points", "0"], "--max-points: must be >= 1"),
                            (["--repeats", "0"], "--repeats: must be >= 1"),
-                           (["--tolerance", "-1"], "--tolerance: must be > 0"),
+                           (["--tolerance", "-1"], "--tolerance: must be > 0 (or inf)"),
                            (["--max-holds", "-1"], "--max-holds: must be >= 0"),
                            (["--num-prompts", "-3"], "--num-prompts: must be >= 1")):
         with pytest.raises(SystemExit):
@@ -84,8 +84,10 @@ def test_bad_search_flags_are_refused_before_any_load(fake_server, data_dir, tmp
     assert "the target must be > 0 s" in capsys.readouterr().err
     assert main([*base, "--duration", "10", "--hold-duration", "10"]) == 2
     assert "not longer than a search window" in capsys.readouterr().err
-    assert main(["tune", *base[1:], "--serve-cmd", " ", "--knob", "a=1"]) == 2
-    assert "--serve-cmd is empty" in capsys.readouterr().err
+    for sub in (["tune", "--knob", "a=1"], ["sweep"]):
+        with pytest.raises(SystemExit):
+            main([*sub, *base[1:], "--serve-cmd", " "])
+        assert "--serve-cmd: is empty" in capsys.readouterr().err
     assert main(["tune", *base[1:], "--serve-cmd", "x", "--knob", "a=1", "--knob", "a=2"]) == 2
     assert "--knob a given more than once" in capsys.readouterr().err
     # A missing data file names the folder it was looked for in, and how to change it.
