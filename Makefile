@@ -20,7 +20,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 install: $(BIN)/.installed
 
+# Types first (seconds; pyproject.toml says what is strict), then the suite.
 test: install
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q $(ARGS)
 
 serve: install

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from inflight.errors import EngineDeadError, EngineError, EngineOverloadedError, RequestFailedError
+
 
 @dataclass
 class RequestMetrics:
@@ -81,4 +83,20 @@ class RequestOutput:
     shed_reason: str | None = None
     abort_reason: str | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def failure(self) -> EngineError | None:
+        """Why the engine did not serve this request, as the one engine error type, or None.
+
+        ``error`` is a ``RequestFailedError``, ``shed_reason`` an ``EngineOverloadedError``
+        (retry later), and ``abort_reason`` before the first token an ``EngineDeadError``;
+        an abort by the client, or after the first token, is an ordinary finish.
+        """
+        if self.error:
+            return RequestFailedError(self.error)
+        if self.shed_reason:
+            return EngineOverloadedError(f"request shed: {self.shed_reason}")
+        if self.abort_reason and (self.metrics is None or self.metrics.first_token_time is None):
+            return EngineDeadError(f"the request was aborted before its first token: "
+                                   f"{self.abort_reason}")
+        return None

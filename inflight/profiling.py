@@ -19,9 +19,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any, ContextManager
 
 PHASES = ("schedule", "prepare", "forward", "attention", "sample", "output")
 _NULL = contextlib.nullcontext()
@@ -46,11 +46,12 @@ class StepTimer:
         window: steps kept for ``summary`` (the server's stats interval reads them).
     """
 
-    def __init__(self, enabled: bool = False, device: torch.device | None = None,
-                 window: int = 4096) -> None:
+    def __init__(self, enabled: bool = False, device: Any = None, window: int = 4096) -> None:
         self.enabled = enabled
-        self._sync = (torch.cuda.synchronize if device is not None and device.type == "cuda"
-                      else None)
+        self._sync: Callable[[], None] | None = None
+        if getattr(device, "type", None) == "cuda":  # a torch.device; torch only then
+            import torch
+            self._sync = torch.cuda.synchronize
         self._current: dict[str, float] = {}
         self._step_start = 0.0
         self.records: deque[StepRecord] = deque(maxlen=window)
@@ -60,12 +61,12 @@ class StepTimer:
             self._current = {}
             self._step_start = time.perf_counter()
 
-    def section(self, phase: str):
+    def section(self, phase: str) -> ContextManager[None]:
         """Context manager adding its wall time to ``phase`` of the current step."""
         return self._timed(phase) if self.enabled else _NULL
 
     @contextlib.contextmanager
-    def _timed(self, phase: str):
+    def _timed(self, phase: str) -> Iterator[None]:
         if self._sync:
             self._sync()
         t0 = time.perf_counter()
@@ -83,7 +84,7 @@ class StepTimer:
                                            time.perf_counter() - self._step_start,
                                            self._current))
 
-    def summary(self, records: list[StepRecord] | None = None) -> dict:
+    def summary(self, records: list[StepRecord] | None = None) -> dict[str, float]:
         """Mean milliseconds per step, per phase, over ``records`` (default: the window).
 
         Returns ``{"steps", "mean_seqs", "mean_tokens", "total_ms", "<phase>_ms" ...,
@@ -104,7 +105,7 @@ class StepTimer:
         return out
 
     @staticmethod
-    def format(s: dict) -> str:
+    def format(s: dict[str, float]) -> str:
         """One log line from ``summary``."""
         if not s:
             return "no steps"

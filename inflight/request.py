@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from inflight.sampling_params import SamplingParams
@@ -35,6 +36,21 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request scheduling fields, carried unchanged from the API body to ``Request``.
+
+    Attributes:
+        priority: lower is served first under ``scheduling_policy="priority"`` (vLLM's).
+        ttft_slo, itl_slo: this request's latency targets, seconds, for
+            ``scheduling_policy="slo"``; None: the engine's defaults.
+    """
+
+    priority: int = 0
+    ttft_slo: float | None = None
+    itl_slo: float | None = None
 
 
 class Request:

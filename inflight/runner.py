@@ -13,12 +13,12 @@ import numpy as np
 
 import torch
 
-from inflight.core.output import ScheduledRequest, SchedulerOutput
+from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.profiling import NULL_TIMER
-from inflight.sampler import SampleResult, Sampler
+from inflight.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

@@ -12,27 +12,10 @@ what they are batched with; unseeded ones share the engine's generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from inflight.core.output import SampleResult
 from inflight.request import Request
-
-
-@dataclass
-class SampleResult:
-    """One sampled token.
-
-    Attributes:
-        request: whose token it is.
-        token_id: the sampled id.
-        logprobs: ``{token_id: logprob}`` of the sampled token and the top-``logprobs``
-            tokens, or None when the request did not ask for logprobs.
-    """
-
-    request: Request
-    token_id: int
-    logprobs: dict[int, float] | None
 
 
 class Sampler:
@@ -81,7 +64,7 @@ class Sampler:
         for i, r in enumerate(requests):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids)
+                banned = set(p.stop_ids)
                 if not p.ignore_eos:
                     banned |= r.eos_token_ids
                 if banned:

@@ -59,8 +59,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    # Filled in from ``stop``: always a tuple of non-empty strings.
+    # Filled in from ``stop`` / ``stop_token_ids``: always tuples.
     stop_strings: tuple[str, ...] = field(init=False, default=())
+    stop_ids: tuple[int, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -69,7 +70,7 @@ class SamplingParams:
             self.stop_strings = (self.stop,)
         else:
             self.stop_strings = tuple(self.stop)
-        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        self.stop_token_ids = self.stop_ids = tuple(self.stop_token_ids or ())
         self._validate()
 
     def _validate(self) -> None:
@@ -98,7 +99,7 @@ class SamplingParams:
             check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         check(all(isinstance(s, str) and s for s in self.stop_strings),
               "stop", "must be a non-empty string or a list of non-empty strings")
-        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        check(all(_is_int(t) and t >= 0 for t in self.stop_ids),
               "stop_token_ids", "must be a list of non-negative integers")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "logprobs", "must be an integer in [0, 20] or None")

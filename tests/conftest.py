@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from inflight.bench.datasets import default_data_dir
-from inflight.sampler import SampleResult
+from inflight.core.output import SampleResult
 
 # Workload data: ../shared/data next to the checkout, as CI lays it out, or
 # $INFLIGHT_DATA_DIR (the bench tool's own lookup).

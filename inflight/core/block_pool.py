@@ -16,6 +16,7 @@ evicts its hash. So every block is exactly one of::
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 
 class BlockPool:
@@ -62,7 +63,7 @@ class BlockPool:
             blocks.append(b)
         return blocks
 
-    def touch(self, blocks: list[int]) -> None:
+    def touch(self, blocks: Iterable[int]) -> None:
         """Take one more reference to each (cached or held) block: a prefix-cache hit."""
         for b in blocks:
             if self.ref_counts[b] == 0:

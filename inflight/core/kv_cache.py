@@ -15,6 +15,7 @@ request another's KV, so an easily forged hash (Python's ``hash`` of ints) is no
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from array import array
 
 from inflight.core.block_pool import BlockPool
@@ -136,7 +137,7 @@ class KVCacheManager:
 
     # --- allocation ---------------------------------------------------------------------
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int,
-                              computed_blocks: list[int] = ()) -> int:
+                              computed_blocks: Sequence[int] = ()) -> int:
         """Pool blocks that admitting/growing ``request`` by ``num_new_tokens`` takes from
         the free queue, counting cached hits that are not held by anyone yet."""
         held = len(self.block_tables.get(request.request_id, ())) + len(computed_blocks)
@@ -145,7 +146,7 @@ class KVCacheManager:
         return fresh + sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
 
     def allocate(self, request: Request, num_new_tokens: int,
-                 computed_blocks: list[int] = ()) -> bool:
+                 computed_blocks: Sequence[int] = ()) -> bool:
         """Reserve slots for ``num_new_tokens`` more tokens of ``request``, after taking
         ``computed_blocks`` (prefix-cache hits, only for a request that holds no blocks).
 

@@ -1,9 +1,11 @@
-"""``SchedulerOutput``: the only contract between the scheduler and the model runner
-(as vLLM v1's vllm/v1/core/sched/output.py). Plain data, no tensors."""
+"""The step's contracts: ``SchedulerOutput`` from the scheduler to the model runner (as vLLM
+v1's vllm/v1/core/sched/output.py), ``SampleResult`` from the runner back to the scheduler.
+Plain data, no tensors."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from inflight.request import Request
 
@@ -59,3 +61,26 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to run (shed requests still need their outputs)."""
         return not self.scheduled
+
+
+@dataclass
+class SampleResult:
+    """One sampled token, as the runner returns it for each row that samples.
+
+    Attributes:
+        request: whose token it is.
+        token_id: the sampled id.
+        logprobs: ``{token_id: logprob}`` of the sampled token and the top-``logprobs``
+            tokens, or None when the request did not ask for logprobs.
+    """
+
+    request: Request
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+class Runner(Protocol):
+    """What the engine needs of a model runner (``inflight.runner.ModelRunner``; tests
+    pass fakes): one ``SampleResult`` per row of the plan that samples, in row order."""
+
+    def execute(self, out: SchedulerOutput) -> list[SampleResult]: ...

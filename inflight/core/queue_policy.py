@@ -30,7 +30,7 @@ class FCFSPolicy:
     def waiting_order(self, waiting: Iterable[Request], now: float) -> list[Request]:
         return list(waiting)
 
-    def running_key(self, req: Request):
+    def running_key(self, req: Request) -> int | None:
         """Sort key of the running list (None: admission order). Preemption takes the
         last running request, so the key puts the first to be preempted last."""
         return None
@@ -63,7 +63,7 @@ class PriorityPolicy(FCFSPolicy):
     def waiting_order(self, waiting: Iterable[Request], now: float) -> list[Request]:
         return sorted(waiting, key=lambda r: (self.effective_priority(r, now), r.arrival_time))
 
-    def running_key(self, req: Request):
+    def running_key(self, req: Request) -> int | None:
         # Highest priority number is preempted first; among equals, the latest admitted.
         return req.priority
 
@@ -93,8 +93,8 @@ class SLOPolicy(FCFSPolicy):
 
     def step_budget(self, running: list[Request], budget: int) -> int:
         decoding = [r for r in running if r.num_output_tokens > 0]
-        targets = [r.itl_slo if r.itl_slo is not None else self.itl_slo for r in decoding]
-        targets = [t for t in targets if t is not None]
+        targets = [t for t in (r.itl_slo if r.itl_slo is not None else self.itl_slo
+                               for r in decoding) if t is not None]
         if not targets:
             return budget
         fits = self.step_model.max_tokens_within(min(targets))
@@ -138,7 +138,7 @@ class SLOPolicy(FCFSPolicy):
 
 
 def make_policy(name: str, *, ttft_slo: float | None, itl_slo: float | None,
-                priority_aging_s: float, step_model: StepTimeModel):
+                priority_aging_s: float, step_model: StepTimeModel) -> FCFSPolicy:
     """The policy object for ``--scheduling-policy name``.
 
     Raises:

@@ -11,6 +11,11 @@ One step (see DESIGN.md):
      to the head of the waiting queue, recomputed later) until the allocation fits.
   2. Waiting requests join, in order, while the batching policy allows, budget and
      ``max_num_seqs`` remain and their KV blocks fit.
+
+After the runner sampled, ``update`` appends each token and applies the token-level stops
+(EOS, stop token ids, ``max_tokens``, the sequence length limit), freeing a finished
+request's blocks at once. Stop strings are text, so the output processor checks them and
+asks ``stop_request`` to end a request.
 """
 
 from __future__ import annotations
@@ -18,30 +23,74 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from typing import Protocol
 
-from inflight.config import EngineConfig
 from inflight.core.kv_cache import KVCacheManager
-from inflight.core.output import ScheduledRequest, SchedulerOutput
-from inflight.core.policies import can_admit
+from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
+from inflight.core.policies import make_batching_policy
 from inflight.core.queue_policy import make_policy
 from inflight.core.step_model import StepTimeModel
+from inflight.errors import InvalidRequestError
 from inflight.request import Request, RequestStatus
+
+
+class SchedulerConfig(Protocol):
+    """The knobs the scheduler reads (``inflight.config.EngineConfig`` has them all);
+    a protocol, so ``core`` needs nothing from the layers above it."""
+
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def enable_chunked_prefill(self) -> bool: ...
+    @property
+    def max_model_len(self) -> int | None: ...
+    @property
+    def batching_policy(self) -> str: ...
+    @property
+    def max_queue_delay(self) -> float: ...
+    @property
+    def scheduling_policy(self) -> str: ...
+    @property
+    def ttft_slo(self) -> float | None: ...
+    @property
+    def itl_slo(self) -> float | None: ...
+    @property
+    def max_queue_time(self) -> float | None: ...
+    @property
+    def priority_aging_s(self) -> float: ...
 
 
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes.
 
     Args:
-        config: the engine's knobs (budget, ``max_num_seqs``, policy, ...).
+        config: the engine's knobs (budget, ``max_num_seqs``, policies, ...).
         kv_cache: the block manager requests are admitted against.
+        max_model_len: the model's context length, used when ``config.max_model_len`` is
+            None; None: the pool's size.
+
+    Attributes:
+        max_model_len: longest sequence, prompt plus output tokens.
+        max_sequence_len: longest sequence the pool can hold (<= ``max_model_len``): a
+            lone request always fits.
+        num_preemptions, num_prompt_tokens, num_generation_tokens: since start; prompt
+            tokens count recomputation after preemption.
     """
 
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 max_model_len: int | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        pool_tokens = kv_cache.num_blocks * kv_cache.block_size
+        self.max_model_len: int = config.max_model_len or max_model_len or pool_tokens
+        self.max_sequence_len = min(self.max_model_len, pool_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         # Admission keeps a few blocks spare so a freshly admitted request is not preempted
         # by the next decode step's block (vLLM's watermark, 1% of the pool).
         self.watermark_blocks = int(0.01 * kv_cache.num_blocks)
@@ -49,8 +98,48 @@ class Scheduler:
         self.policy = make_policy(config.scheduling_policy, ttft_slo=config.ttft_slo,
                                   itl_slo=config.itl_slo, priority_aging_s=config.priority_aging_s,
                                   step_model=self.step_model)
+        self.batching = make_batching_policy(config.batching_policy,
+                                             max_num_seqs=config.max_num_seqs,
+                                             max_queue_delay=config.max_queue_delay)
 
     # --- queue management -------------------------------------------------------------
+    def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None = None,
+                          ) -> int:
+        """The one prompt-fit rule: raise unless a prompt of ``num_prompt_tokens`` (plus
+        ``max_tokens``, when given: vLLM's server rule) can ever run here.
+
+        Returns:
+            ``max_tokens``, or ``max_model_len - num_prompt_tokens`` when it is None.
+
+        Raises:
+            InvalidRequestError: with ``param`` ``prompt`` (no room to generate within
+                ``max_model_len``, larger than the KV pool, or past the step budget with
+                chunked prefill off) or ``max_tokens`` (prompt + ``max_tokens`` past
+                ``max_model_len``); ``code`` ``context_length_exceeded``.
+        """
+        n, mml, cfg = num_prompt_tokens, self.max_model_len, self.config
+
+        def refuse(message: str, param: str = "prompt") -> InvalidRequestError:
+            return InvalidRequestError(message, param=param, code="context_length_exceeded")
+        if n >= mml:
+            raise refuse(f"This model's maximum context length (max_model_len) is {mml} "
+                         f"tokens. However, your prompt has {n} tokens, which leaves no room "
+                         f"to generate. Please reduce the length of the input.")
+        if n >= self.max_sequence_len:
+            raise refuse(f"The prompt ({n} tokens) does not fit in the KV cache "
+                         f"({self.max_sequence_len} tokens).")
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            raise refuse(f"The prompt ({n} tokens) exceeds max_num_batched_tokens "
+                         f"({cfg.max_num_batched_tokens}) with chunked prefill off.")
+        if max_tokens is None:
+            return mml - n
+        if n + max_tokens > mml:
+            raise refuse(f"This model's maximum context length is {mml} tokens. However, you "
+                         f"requested {n + max_tokens} tokens ({n} in the input, {max_tokens} "
+                         f"in the completion). Please reduce the length of the input or "
+                         f"completion.", param="max_tokens")
+        return max_tokens
+
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
@@ -65,6 +154,15 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = status
         request.finished_time = time.monotonic()
+
+    def stop_request(self, request: Request, stop_reason: str) -> None:
+        """A stop string matched (the output processor's check): end ``request`` as
+        stopped, relabelling one that this step ended for length."""
+        request.stop_reason = stop_reason
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,6 +192,52 @@ class Scheduler:
             self._schedule_waiting(out, budget, now)
         return out
 
+    def update(self, out: SchedulerOutput, sampled: list[SampleResult],
+               now: float | None = None) -> list[Request]:
+        """Record the step's sampled tokens and apply the token-level stops.
+
+        Args:
+            out: the step's plan, as ``schedule`` returned it.
+            sampled: the runner's tokens, one per row of ``out`` that samples.
+            now: when the tokens exist (``time.monotonic()``): TTFT and ITL stamps.
+
+        Returns:
+            The requests that got a token, in ``sampled`` order; those that stopped are
+            finished (status set, blocks freed, ``stop_reason`` the stop token id).
+        """
+        now = time.monotonic() if now is None else now
+        self.num_prompt_tokens += sum(
+            max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
+                       s.request.num_prompt_tokens) - s.num_computed_tokens)
+            for s in out.scheduled)
+        updated = []
+        for res in sampled:
+            req = res.request
+            if req.is_finished:  # aborted while its step ran
+                continue
+            req.append_output_token(res.token_id, res.logprobs, now)
+            self.num_generation_tokens += 1
+            status = self._check_stop(req)
+            if status is not None:
+                self.finish_request(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        p = req.sampling_params
+        token = req.output_token_ids[-1]
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_sequence_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -114,18 +258,14 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         cfg = self.config
-        # A static/dynamic batch is formed in one step, even past this step's token
-        # budget (members then prefill over the next steps); nothing joins it afterwards.
-        is_batch_policy = cfg.batching_policy != "continuous"
+        is_batch_policy = self.batching.forms_batches
         launching = False
         for req in self.policy.waiting_order(self.waiting, now):
             if len(self.running) >= cfg.max_num_seqs:
                 break
             if budget <= 0 and not launching:
                 break
-            if not can_admit(cfg.batching_policy, self.running, self.waiting,
-                             max_num_seqs=cfg.max_num_seqs, max_queue_delay=cfg.max_queue_delay,
-                             now=now, launching=launching):
+            if not self.batching.can_admit(self.running, self.waiting, now, launching):
                 break
             hits = self.kv_cache.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv_cache.block_size
@@ -159,7 +299,8 @@ class Scheduler:
         if key is None:
             self.running.append(req)
         else:  # after every request with the same key: the newest is preempted first
-            bisect.insort_right(self.running, req, key=self.policy.running_key)
+            bisect.insort_right(self.running, req,
+                                key=lambda r: self.policy.running_key(r) or 0)
 
     def _shed(self, out: SchedulerOutput, now: float, budget: int) -> None:
         """Reject waiting requests that can no longer be served in time (load shedding):

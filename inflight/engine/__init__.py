@@ -1,3 +1,4 @@
-from inflight.engine.engine import Engine, EngineStats
+from inflight.engine.engine import Engine
+from inflight.engine.stats import EngineStats
 
 __all__ = ["Engine", "EngineStats"]

@@ -7,9 +7,9 @@ anything is unfinished, and hands each request's outputs to that request's
 event. Torch releases the GIL inside its kernels, so the event loop keeps serving HTTP
 while a step runs.
 
-Every request runs in the engine's streaming (delta) mode; ``RequestStream`` merges
-deltas that pile up between reads, and ``merge_outputs`` accumulates them for callers that
-want one final output (vLLM v1's output processor works the same way).
+Every request runs in the engine's streaming (delta) mode; ``RequestStream``
+(``stream.py``) merges deltas that pile up between reads. Commands are typed dataclasses
+(``AddRequest``, ``Abort``, ``AbortAll``, ``Call``), handled in one ``match``.
 
 No request's fault stops the loop: a failed ``add_request`` fails that request, a failed
 model step is turned by ``Engine.step`` into error outputs for the requests in it, and any
@@ -25,10 +25,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
-from inflight.engine.engine import Engine, EngineStats
-from inflight.outputs import CompletionOutput, RequestOutput
-from inflight.profiling import StepTimer
+from inflight.config import EngineConfig
+from inflight.engine.commands import Abort, AbortAll, AddRequest, Call, Command
+from inflight.engine.engine import Engine
+from inflight.engine.stats import EngineStats, StatsLogger
+from inflight.engine.stream import RequestStream
+from inflight.errors import (EngineDeadError, EngineError, EngineOverloadedError,
+                             InvalidRequestError, RequestFailedError, RequestTooLargeError)
+from inflight.outputs import RequestOutput
+from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,83 +48,6 @@ _IDLE_POLL_S = 0.002
 _FAILURE_BACKOFF_S = 0.1
 
 StepListener = Callable[[EngineStats, list[RequestOutput], float], None]
-
-
-class RequestTooLargeError(ValueError):
-    """A request with more sequences (``n``) than the server could ever queue at once."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests wait already (``max_num_waiting``); retry after ``retry_after`` s."""
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is stopped (shut down or crashed); no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine could not run a request (a bug or a failed step, not the client's input)."""
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator of deltas.
-
-    Each item is a ``RequestOutput`` whose completions hold only what is new (text, token
-    ids, logprobs) since the previous item; deltas that arrived together are merged. The
-    last item has ``finished=True`` (``error`` set if the engine failed the request), then
-    iteration stops. ``abort()`` cancels the request; iterating on then yields its final
-    ``finish_reason="abort"`` output.
-
-    Raises (from iteration):
-        ValueError: the engine refused the request (a prompt it cannot hold).
-        RequestFailedError: the engine loop failed while running it.
-        EngineDeadError: the engine loop stopped.
-    """
-
-    def __init__(self, request_id: str, engine: "AsyncEngine",
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-    # Called on the engine thread.
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the event loop is closed: nobody is listening any more
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        # Merge what else is already queued, so a slow reader gets one chunk, not a backlog.
-        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            nxt = self._queue.get_nowait()
-            if isinstance(nxt, BaseException):
-                self._queue.put_nowait(nxt)  # deliver the output first, the error next
-                break
-            item = merge_outputs(item, nxt)
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Abort the request if it has not finished (idempotent, never blocks)."""
-        if not self.finished:
-            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -144,7 +74,7 @@ class AsyncEngine:
         self.listeners: list[StepListener] = list(listeners)
         if log_interval_s > 0:
             self.listeners.append(StatsLogger(log_interval_s, getattr(engine, "step_timer", None)))
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _num_pending and _streams
         self._num_pending = 0  # sequences queued as add commands, not yet in the scheduler
@@ -156,7 +86,7 @@ class AsyncEngine:
 
     # --- passthroughs the HTTP layer needs (read-only after construction) ---------------
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     @property
@@ -164,8 +94,12 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
-    def config(self):
+    def config(self) -> EngineConfig:
         return self.engine.config
+
+    def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> int:
+        """``Engine.check_prompt_fits``; safe on the event loop (it reads only settings)."""
+        return self.engine.check_prompt_fits(num_prompt_tokens, max_tokens)
 
     @property
     def is_running(self) -> bool:
@@ -204,7 +138,7 @@ class AsyncEngine:
                 logger.warning("engine thread did not stop within %.1f s", timeout)
 
     # --- requests (event-loop side) -------------------------------------------------------
-    def check_fits(self, num_seqs: int) -> None:
+    def check_num_seqs(self, num_seqs: int) -> None:
         """Raise if ``num_seqs`` sequences (one request's ``n``, or a whole API call's prompts
         x ``n``) could never be queued at once, so that no retry could help.
 
@@ -220,8 +154,8 @@ class AsyncEngine:
                 f"max_num_seqs + max_num_waiting = {capacity}")
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    sampling_params: SamplingParams, *,
-                    arrival_time: float | None = None, **scheduling) -> RequestStream:
+                    sampling_params: SamplingParams, *, arrival_time: float | None = None,
+                    options: RequestOptions | None = None) -> RequestStream:
         """Queue a request; returns its ``RequestStream`` at once.
 
         Must be called from a running event loop (the outputs are delivered to it).
@@ -232,12 +166,12 @@ class AsyncEngine:
             sampling_params: validated parameters.
             arrival_time: ``time.monotonic()`` seconds when the request arrived; TTFT and
                 queue time count from here. Now when None.
-            scheduling: ``priority``, ``ttft_slo``, ``itl_slo`` for ``Engine.add_request``.
+            options: priority and latency targets for the scheduler.
 
         Raises:
             EngineOverloadedError: ``max_num_waiting`` sequences already wait.
             EngineDeadError: the engine loop is not running.
-            ValueError: ``request_id`` is already in flight.
+            InvalidRequestError: ``request_id`` is already in flight.
             RequestTooLargeError: ``n`` exceeds what could ever be queued
                 (``max_num_seqs + max_num_waiting``): retrying cannot help.
         """
@@ -245,11 +179,11 @@ class AsyncEngine:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
         n = sampling_params.n
-        self.check_fits(n)
-        stream = RequestStream(request_id, self, loop)
+        self.check_num_seqs(n)
+        stream = RequestStream(request_id, self.abort, loop)
         with self._lock:
             if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+                raise InvalidRequestError(f"request_id {request_id!r} is already in use")
             waiting = self._num_pending + self._stats.num_waiting
             # Sequences the next step can admit into free running slots do not queue.
             free_slots = max(0, self.engine.config.max_num_seqs - self._stats.num_running)
@@ -262,13 +196,14 @@ class AsyncEngine:
             self._num_pending += n
             self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(("add", request_id, prompt, sampling_params, arrival, scheduling))
+        self._commands.put(AddRequest(request_id, prompt, sampling_params, arrival,
+                                      options or RequestOptions()))
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort ``request_id`` (no-op if it already finished)."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
         self._wake.set()
 
     async def reset_prefix_cache(self) -> int:
@@ -280,14 +215,15 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        self._commands.put(("call", self.engine.reset_prefix_cache, loop, done))
+        done: asyncio.Future[int] = loop.create_future()
+        self._commands.put(Call(self.engine.reset_prefix_cache, loop, done))
         self._wake.set()
-        return await done
+        result: int = await done
+        return result
 
     def abort_all(self) -> None:
         """Abort every request in flight (shutdown's grace period ran out)."""
-        self._commands.put(("abort_all",))
+        self._commands.put(AbortAll())
         self._wake.set()
 
     async def generate(self, request_id: str, prompt: str | Sequence[int],
@@ -339,7 +275,7 @@ class AsyncEngine:
                 streams = list(self._streams.values())
                 self._streams.clear()
             for s in streams:
-                s._put(EngineDeadError(self._dead))
+                s.put(EngineDeadError(self._dead))
             raise
         finally:
             self._dead = self._dead or "the engine is shut down"
@@ -350,36 +286,38 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                _, rid, prompt, params, arrival, scheduling = cmd
-                try:
-                    self.engine.add_request(rid, prompt, params, stream=True, arrival_time=arrival,
-                                            **scheduling)
-                except Exception as e:
-                    with self._lock:
-                        self._num_pending -= params.n
-                        stream = self._streams.pop(rid, None)
-                    if stream is not None:
-                        stream._put(e if isinstance(e, ValueError)
-                                    else RequestFailedError(f"{type(e).__name__}: {e}"))
-                    continue
-                with self._lock:
-                    self._num_pending -= params.n
-                    self._stats = replace(self._stats, num_waiting=self._stats.num_waiting + params.n)
-            elif cmd[0] == "abort_all":
-                self._abort_all()
-            elif cmd[0] == "call":
-                _, fn, loop, done = cmd
-                try:
-                    result, error = fn(), None
-                except Exception as e:
-                    result, error = None, e
-                loop.call_soon_threadsafe(_settle, done, result, error)
-            else:
-                try:
-                    self.engine.abort_request(cmd[1])
-                except Exception:
-                    logger.exception("abort of %s failed", cmd[1])
+            match cmd:
+                case AddRequest():
+                    self._add(cmd)
+                case Abort(request_id=rid):
+                    try:
+                        self.engine.abort_request(rid)
+                    except Exception:
+                        logger.exception("abort of %s failed", rid)
+                case AbortAll():
+                    self._abort_all()
+                case Call(fn=fn, loop=loop, done=done):
+                    try:
+                        result, error = fn(), None
+                    except Exception as e:
+                        result, error = None, e
+                    loop.call_soon_threadsafe(_settle, done, result, error)
+
+    def _add(self, cmd: AddRequest) -> None:
+        n = cmd.params.n
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, stream=True,
+                                    arrival_time=cmd.arrival_time, options=cmd.options)
+        except Exception as e:
+            with self._lock:
+                self._num_pending -= n
+                stream = self._streams.pop(cmd.request_id, None)
+            if stream is not None:
+                stream.put(_as_engine_error(e))
+            return
+        with self._lock:
+            self._num_pending -= n
+            self._stats = replace(self._stats, num_waiting=self._stats.num_waiting + n)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -387,7 +325,7 @@ class AsyncEngine:
                 stream = self._streams.pop(out.request_id, None) if out.finished \
                     else self._streams.get(out.request_id)
             if stream is not None:
-                stream._put(out)
+                stream.put(out)
 
     def _publish_stats(self, outputs: list[RequestOutput], did_step: bool) -> None:
         stats = self.engine.get_stats()
@@ -417,82 +355,21 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)
-            stream._put(RequestFailedError(message))
+            stream.put(RequestFailedError(message))
 
 
-def merge_outputs(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Fold the delta ``new`` into ``acc`` (same request); returns a new output.
-
-    Text, token ids and logprobs of each completion (by ``index``) are concatenated; status
-    fields (``finish_reason``, ``finished``, ``metrics``, ``error``) come from ``new``.
-    """
-    by_index = {c.index: c for c in acc.outputs}
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            by_index[c.index] = replace(c, token_ids=list(c.token_ids))
-            continue
-        logprobs = None
-        if old.logprobs is not None or c.logprobs is not None:
-            logprobs = list(old.logprobs or []) + list(c.logprobs or [])
-        by_index[c.index] = CompletionOutput(
-            index=c.index, text=old.text + c.text, token_ids=list(old.token_ids) + list(c.token_ids),
-            logprobs=logprobs, finish_reason=c.finish_reason or old.finish_reason,
-            stop_reason=c.stop_reason if c.finish_reason else old.stop_reason)
-    return replace(new, outputs=[by_index[i] for i in sorted(by_index)])
+def _as_engine_error(e: Exception) -> EngineError:
+    if isinstance(e, EngineError):
+        return e
+    if isinstance(e, ValueError):
+        return InvalidRequestError(str(e))
+    return RequestFailedError(f"{type(e).__name__}: {e}")
 
 
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if future.done():
         return  # the caller went away
     if error is not None:
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _hit_rate(now: EngineStats, before: EngineStats) -> float:
-    queries = now.prefix_cache_queries - before.prefix_cache_queries
-    return (now.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0
-
-
-class StatsLogger:
-    """Logs one line every ``interval_s`` seconds while the engine steps.
-
-    Running and waiting sequences, KV cache usage, prompt and generation throughput
-    (tokens/s over the interval, recomputation after preemption included) and preemptions.
-    Silent while idle: no step, no line.
-    """
-
-    def __init__(self, interval_s: float = 10.0, step_timer: StepTimer | None = None) -> None:
-        self.interval_s = interval_s
-        self.step_timer = step_timer
-        self._last: EngineStats | None = None
-        self._last_time = 0.0
-        self._last_step_time = float("-inf")
-
-    def __call__(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
-        idle_gap = now - self._last_step_time > self.interval_s
-        self._last_step_time = now
-        if self._last is None or idle_gap:
-            # The first step after an idle spell starts a fresh interval, so the rates
-            # are not diluted by time nobody was waiting.
-            self._last, self._last_time = stats, now
-            return
-        dt = now - self._last_time
-        if dt < self.interval_s:
-            return
-        last = self._last
-        logger.info(
-            "running: %d, waiting: %d, KV cache usage: %.1f%%, prompt throughput: %.1f tok/s, "
-            "generation throughput: %.1f tok/s, preemptions: %d (+%d), "
-            "prefix cache hit rate: %.1f%%",
-            stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage,
-            (stats.prompt_tokens - last.prompt_tokens) / dt,
-            (stats.generation_tokens - last.generation_tokens) / dt,
-            stats.num_preemptions, stats.num_preemptions - last.num_preemptions,
-            100 * _hit_rate(stats, last))
-        if self.step_timer is not None and self.step_timer.enabled:
-            logger.info("step breakdown: %s", StepTimer.format(self.step_timer.summary()))
-            self.step_timer.records.clear()
-        self._last, self._last_time = stats, now

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,7 +16,8 @@ from inflight.config import (DEFAULT_KV_CACHE_MEMORY_CAP, DEFAULT_KV_CACHE_MEMOR
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model
-from inflight.runner import kv_block_bytes
+from inflight.runner import ModelRunner, kv_block_bytes
+from inflight.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.device):
+def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.device,
+                             ) -> tuple[ModelConfig, LlamaForCausalLM, Any]:
     """``(model_config, model, tokenizer)`` for a GGUF file or HF directory."""
     from inflight.tokenizer import Tokenizer
 
@@ -131,3 +136,57 @@ def _available_ram() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass
+class LoadedModel:
+    """What ``Engine`` needs from start-up.
+
+    Attributes:
+        runner: the model runner, KV cache allocated.
+        tokenizer: the model's tokenizer.
+        num_blocks: KV pool size in blocks.
+        max_model_len: context length (``config.max_model_len`` or the model's).
+        eos_token_ids: end-of-sequence ids of the model and its tokenizer.
+    """
+
+    runner: ModelRunner
+    tokenizer: object
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    """Load the model ``config`` names and size its KV pool.
+
+    Raises:
+        ValueError: ``max_model_len`` past the model's context length, or a bad device.
+        FileNotFoundError: no such model.
+    """
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
+        config.kv_cache_dtype, device)
+    path = resolve_model_path(config.model)
+    t0 = time.monotonic()
+    model_config, model, tokenizer = load_model_and_tokenizer(path, dtype, device)
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    if max_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len: {max_len} exceeds the model's context length "
+                         f"{model_config.max_position_embeddings}")
+    blocks = num_kv_blocks(config, model_config, kv_dtype, device)
+    runner = ModelRunner(model, blocks, config.block_size, kv_dtype, Sampler(config.seed, device))
+    eos = frozenset(model_config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
+    logger.info("loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = "
+                "%d tokens (%.1f MiB); max_model_len %d", path.name,
+                model_config.architecture, str(dtype).removeprefix("torch."), device,
+                time.monotonic() - t0, blocks, config.block_size, blocks * config.block_size,
+                sum(t.numel() * t.element_size() for t in runner.kv_caches) / 2**20, max_len)
+    if blocks * config.block_size < max_len:
+        logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: "
+                       "sequences stop at %d tokens", blocks * config.block_size, max_len,
+                       blocks * config.block_size)
+    return LoadedModel(runner, tokenizer, blocks, max_len, eos)

@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inflight.errors import EngineError
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -68,11 +70,42 @@ def from_value_error(e: ValueError, param_names: dict[str, str] | None = None) -
     """400 from a ``ValueError`` whose message starts with ``field:`` (``SamplingParams``
     and the engine name the field so); ``param_names`` maps internal to API field names."""
     text = str(e)
-    field, sep, _ = text.partition(":")
-    param = field.strip() if sep and field.strip().isidentifier() else None
+    param = _field_of(text)
     if param and param_names:
         param = param_names.get(param, param)
     return bad_request(text, param=param)
+
+
+def _field_of(message: str) -> str | None:
+    field, sep, _ = message.partition(":")
+    return field.strip() if sep and field.strip().isidentifier() else None
+
+
+# EngineError.kind -> (HTTP status, OpenAI error code when the error names none).
+_ENGINE_STATUS = {
+    "invalid_request": (400, None),
+    "overloaded": (503, "server_overloaded"),
+    "unavailable": (503, "server_unavailable"),
+    "engine_error": (500, "engine_error"),
+}
+
+
+def to_openai(e: EngineError, param_names: dict[str, str] | None = None) -> OpenAIError:
+    """The HTTP edge's one conversion of an engine error into a response: 400 for input the
+    engine can never run, 503 (with ``Retry-After`` on overload) while it cannot now, 500
+    for a fault inside it. ``param_names`` maps engine field names (``prompt``,
+    ``max_tokens``) to the API's (``messages``, ``max_completion_tokens``)."""
+    status, code = _ENGINE_STATUS.get(e.kind, (500, "engine_error"))
+    param = e.param or (_field_of(e.message) if status == 400 else None)
+    if param and param_names:
+        param = param_names.get(param, param)
+    message = e.message
+    if status == 500:
+        message = f"the request failed in the engine: {message}"
+    headers = None
+    if e.retry_after is not None:
+        headers = {"Retry-After": str(max(1, round(e.retry_after)))}
+    return OpenAIError(status, message, param=param, code=e.code or code, headers=headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "set", "tuple"}

@@ -1,9 +1,11 @@
 """The engine requests behind one API call, and the checks they pass first.
 
 Everything the engine would refuse is refused here, with a 400 naming the API field:
-token ids outside the vocabulary, ``prompt + max_tokens > max_model_len`` (vLLM's rule;
-an absent ``max_tokens`` becomes ``max_model_len - prompt_len``), prompts the KV cache or
-the step budget can never hold, and sampling values ``SamplingParams`` rejects.
+token ids outside the vocabulary, sampling values ``SamplingParams`` rejects, and what the
+engine's one prompt-fit rule refuses (``AsyncEngine.check_prompt_fits``:
+``prompt + max_tokens > max_model_len``, vLLM's rule, an absent ``max_tokens`` becoming
+``max_model_len - prompt_len``; prompts the KV cache or the step budget can never hold).
+Engine errors become responses in one place, ``errors.to_openai``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from inflight.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
-                                          RequestFailedError, RequestStream, RequestTooLargeError,
-                                          merge_outputs)
+from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.stream import RequestStream, merge_outputs
+from inflight.errors import EngineError
 from inflight.outputs import RequestOutput
+from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
-from inflight.server.errors import OpenAIError, bad_request, from_value_error
+from inflight.server.errors import OpenAIError, bad_request, from_value_error, to_openai
 from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics
 from inflight.server.protocol import SamplingRequest
@@ -44,35 +47,15 @@ class ServerContext:
                               code="model_not_found")
 
 
-def check_prompt_len(engine: AsyncEngine, n: int, max_tokens: int | None, param: str,
-                     max_tokens_param: str = "max_tokens") -> int:
-    """Raise 400 unless ``n`` prompt tokens plus ``max_tokens`` fit; returns ``max_tokens``
-    (defaulted to ``max_model_len - n``). ``param`` and ``max_tokens_param`` are the API
-    field names reported."""
-    mml = engine.max_model_len
-    if n >= mml:
-        raise bad_request(
-            f"This model's maximum context length is {mml} tokens. However, your request has "
-            f"{n} input tokens, which leaves no room to generate. Please reduce the length of "
-            f"the input.", param=param, code="context_length_exceeded")
-    kv_len = getattr(engine.engine, "max_sequence_len", mml)
-    if n >= kv_len:
-        raise bad_request(f"The prompt ({n} tokens) does not fit in the KV cache "
-                          f"({kv_len} tokens).", param=param, code="context_length_exceeded")
-    cfg = engine.config
-    if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
-        raise bad_request(f"The prompt ({n} tokens) exceeds max_num_batched_tokens "
-                          f"({cfg.max_num_batched_tokens}) with chunked prefill off.",
-                          param=param, code="context_length_exceeded")
-    if max_tokens is None:
-        return mml - n
-    if n + max_tokens > mml:
-        raise bad_request(
-            f"This model's maximum context length is {mml} tokens. However, you requested "
-            f"{n + max_tokens} tokens ({n} in the input, {max_tokens} in the completion). "
-            f"Please reduce the length of the input or completion.",
-            param=max_tokens_param, code="context_length_exceeded")
-    return max_tokens
+def check_prompt_len(engine: AsyncEngine, n: int, max_tokens: int | None,
+                     param_names: dict[str, str] | None = None) -> int:
+    """The engine's prompt-fit rule for ``n`` prompt tokens and ``max_tokens``; returns
+    ``max_tokens`` (defaulted to ``max_model_len - n``), else a 400 naming the API field
+    (``param_names`` maps ``prompt`` / ``max_tokens`` to the route's names)."""
+    try:
+        return engine.check_prompt_fits(n, max_tokens)
+    except EngineError as e:
+        raise to_openai(e, param_names) from None
 
 
 def build_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
@@ -131,13 +114,14 @@ class Generation:
         prompts: token ids per prompt.
         params: sampling parameters per prompt.
         arrival_time: ``time.monotonic()`` when the HTTP request arrived.
+        options: priority and latency targets for every prompt's request.
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], arrival_time: float,
-                 scheduling: dict | None = None) -> None:
+                 options: RequestOptions | None = None) -> None:
         self.ctx = ctx
-        self.scheduling = scheduling or {}  # priority, ttft_slo, itl_slo
+        self.options = options
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -152,22 +136,14 @@ class Generation:
         """Queue every prompt; on overload nothing stays queued (503 + ``Retry-After``)."""
         try:
             # The whole call at once: prompts x n sequences, before any of them is queued.
-            self.ctx.engine.check_fits(sum(p.n for p in self.params))
+            self.ctx.engine.check_num_seqs(sum(p.n for p in self.params))
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
                 self.streams.append(self.ctx.engine.add_request(
                     f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time,
-                    **self.scheduling))
-        except EngineOverloadedError as e:
+                    options=self.options))
+        except EngineError as e:
             self.abort()
-            raise OpenAIError(503, str(e), code="server_overloaded",
-                              headers={"Retry-After": str(max(1, round(e.retry_after)))}) from None
-        except EngineDeadError as e:
-            self.abort()
-            raise OpenAIError(503, f"the server is shutting down: {e}",
-                              code="server_unavailable") from None
-        except RequestTooLargeError as e:  # retrying could never help: not a 503
-            self.abort()
-            raise bad_request(str(e), param="n") from None
+            raise to_openai(e) from None
 
     def abort(self) -> None:
         """Abort every unfinished engine request of this call (idempotent)."""
@@ -215,35 +191,23 @@ class Generation:
                 return
             async for item in _interleave(self.streams):
                 yield item[0], _checked(item[1])
-        except ValueError as e:
-            raise from_value_error(e) from None
-        except RequestFailedError as e:
-            raise OpenAIError(500, f"the request failed in the engine: {e}",
-                              code="engine_error") from None
-        except EngineDeadError as e:
-            raise OpenAIError(503, f"the engine stopped: {e}", code="server_unavailable") from None
+        except EngineError as e:
+            raise to_openai(e) from None
         finally:
             self.abort()
 
     async def collect(self) -> list[RequestOutput]:
         """Run to the end; the cumulative final output per prompt."""
-        finals: list[RequestOutput | None] = [None] * len(self.streams)
+        finals: dict[int, RequestOutput] = {}
         async for i, out in self.deltas():
-            finals[i] = out if finals[i] is None else merge_outputs(finals[i], out)
-        return finals  # type: ignore[return-value]
+            finals[i] = merge_outputs(finals[i], out) if i in finals else out
+        return [finals[i] for i in range(len(self.streams))]
 
 
 def _checked(out: RequestOutput) -> RequestOutput:
-    if out.error:
-        raise RequestFailedError(out.error)
-    if out.shed_reason:
-        # Load shedding: the server chose not to serve it in time; the client may retry.
-        raise OpenAIError(503, f"request shed: {out.shed_reason}", code="server_overloaded",
-                          headers={"Retry-After": "1"})
-    if out.abort_reason and (out.metrics is None or out.metrics.first_token_time is None):
-        # The server aborted it before its first token: nothing was sent yet, so a status.
-        raise OpenAIError(503, f"the request was aborted before its first token: "
-                          f"{out.abort_reason}", code="server_unavailable")
+    failure = out.failure()
+    if failure is not None:
+        raise failure
     return out
 
 

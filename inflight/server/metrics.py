@@ -21,7 +21,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from inflight.engine.engine import EngineStats
+from inflight.engine.stats import EngineStats
 from inflight.outputs import RequestOutput
 
 QUANTILES = (0.5, 0.95, 0.99)

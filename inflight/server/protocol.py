@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from inflight.request import RequestOptions
+
 # A cap on ``n`` so one request cannot queue an unbounded number of sequences.
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -93,9 +95,9 @@ class SamplingRequest(_Strict):
     ttft_slo: Annotated[float, Field(gt=0)] | None = None
     itl_slo: Annotated[float, Field(gt=0)] | None = None
 
-    def scheduling(self) -> dict:
+    def options(self) -> RequestOptions:
         """The scheduler's per-request fields."""
-        return {"priority": self.priority, "ttft_slo": self.ttft_slo, "itl_slo": self.itl_slo}
+        return RequestOptions(self.priority, self.ttft_slo, self.itl_slo)
 
 
 class CompletionRequest(SamplingRequest):

@@ -13,6 +13,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from inflight.outputs import RequestOutput
 from inflight.server.errors import OpenAIError, bad_request
@@ -35,9 +36,13 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
         raise bad_request("best_of other than n is not supported", param="best_of")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
-    raw = req.prompt
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        raw = [raw]
+    raw: list[str] | list[list[int]] | list[str | list[int]]
+    if isinstance(req.prompt, str):
+        raw = [req.prompt]
+    elif req.prompt and isinstance(req.prompt[0], int):
+        raw = [[int(t) for t in req.prompt]]  # type: ignore[union-attr]
+    else:
+        raw = req.prompt  # type: ignore[assignment]
     if not raw:
         raise bad_request("prompt: must not be empty", param="prompt")
     prompts: list[list[int]] = []
@@ -50,11 +55,11 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
         if not ids:
             raise bad_request("prompt: must not be empty", param="prompt")
         prompts.append(ids)
-    params = [build_sampling_params(req, check_prompt_len(ctx.engine, len(ids), req.max_tokens,
-                                                          "prompt"), req.logprobs)
+    params = [build_sampling_params(req, check_prompt_len(ctx.engine, len(ids), req.max_tokens),
+                                    req.logprobs)
               for ids in prompts]
     return Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
-                      req.scheduling())
+                      req.options())
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -66,7 +71,8 @@ def completion_response(gen: Generation, req: CompletionRequest,
                         finals: list[RequestOutput]) -> dict:
     """The non-streamed ``text_completion`` object."""
     tt = gen.ctx.token_texts
-    choices, completion_tokens = [], 0
+    choices: list[dict[str, Any]] = []
+    completion_tokens = 0
     for i, out in enumerate(finals):
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
@@ -163,11 +169,12 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         logprobs = req.top_logprobs or 0
     elif req.top_logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    mt = check_prompt_len(ctx.engine, len(ids), max_tokens, "messages", max_param)
+    mt = check_prompt_len(ctx.engine, len(ids), max_tokens,
+                          {"prompt": "messages", "max_tokens": max_param})
     params = build_sampling_params(req, mt, logprobs,
                                    {"logprobs": "top_logprobs", "max_tokens": max_param})
     return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
-                      req.scheduling())
+                      req.options())
 
 
 def render_messages(messages) -> list[dict]:

@@ -106,21 +106,24 @@ class IncrementalDetokenizer:
         return held
 
     # ----------------------------------------------------------------------------- public
-    def add_tokens(self, token_ids: Sequence[int]) -> str | None:
+    def add_tokens(self, token_ids: Sequence[int], check_stop: bool = True) -> str | None:
         """Append new output ids and update ``output_text``.
 
         Returns the stop string now present in the output (``output_text`` is then cut just
         before it, or just after it with ``include_stop_str_in_output``), else ``None``. When
         several stop strings appear, the one starting earliest wins. Once a stop matched, later
-        calls change nothing and return that stop string again.
+        calls change nothing and return that stop string again. With ``check_stop=False``
+        (before ``min_tokens``, as vLLM) the text grows and no stop string is looked for; a
+        later check finds only matches that end in text added then.
         """
         if self.matched_stop is not None:
             return self.matched_stop
-        new_text = []
-        for token_id in token_ids:
-            self.num_output_tokens += 1
-            new_text.append(self._step(token_id))
-        return self._append("".join(new_text))
+        new_text = "".join(self._step(token_id) for token_id in token_ids)
+        self.num_output_tokens += len(token_ids)
+        if not check_stop:
+            self.output_text += new_text
+            return None
+        return self._append(new_text)
 
     def get_delta(self, finished: bool = False) -> str:
         """Text not returned by an earlier call.

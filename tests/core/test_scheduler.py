@@ -8,7 +8,7 @@ from inflight.config import EngineConfig
 from inflight.core.kv_cache import KVCacheManager
 from inflight.core.scheduler import Scheduler
 from inflight.engine import Engine
-from inflight.request import Request
+from inflight.request import Request, RequestOptions
 from inflight.sampling_params import SamplingParams
 from tests.conftest import FakeRunner
 
@@ -203,7 +203,7 @@ def test_random_workloads_keep_invariants(workload, num_blocks, budget, max_num_
             continue
         engine.add_request(str(i), [3 + i % 5] * prompt_len,
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                           priority=(i * 7) % 3)
+                           options=RequestOptions(priority=(i * 7) % 3))
         ids.append(str(i))
     ended = {}
     for step in range(2000):

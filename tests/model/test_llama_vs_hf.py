@@ -55,13 +55,13 @@ class RecordingRunner(ModelRunner):
 
 
 @pytest.fixture(autouse=True, params=["native", "pytorch"])
-def kernels(request, monkeypatch):
+def kernels(request):
     """Every comparison runs twice: with the native CPU kernels, and on PyTorch's kernels
     alone (the path CUDA and compiler-less machines take)."""
-    if request.param == "pytorch":
-        import inflight.model.kernels as native
-        monkeypatch.setattr(native, "_lib", None)
-        monkeypatch.setattr(native, "_tried", True)
+    from inflight.model.kernels import use_native_kernels
+
+    with use_native_kernels(request.param == "native"):
+        yield
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -16,10 +16,12 @@ import pytest
 
 from inflight.config import EngineConfig
 from inflight.engine import Engine
-from inflight.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
-                                          StatsLogger, merge_outputs)
+from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.stats import StatsLogger
+from inflight.engine.stream import merge_outputs
+from inflight.errors import EngineDeadError, EngineOverloadedError
 from inflight.outputs import CompletionOutput, RequestOutput
-from inflight.sampler import SampleResult
+from inflight.core.output import SampleResult
 from inflight.sampling_params import SamplingParams
 from tests.server.conftest import ServerThread, get_json, wait_until
 
@@ -274,7 +276,7 @@ def test_stats_log_line(tokenizer, caplog):
     engine, _ = fake_engine(tokenizer)
     listener = StatsLogger(interval_s=0.05)
     stats = engine.get_stats()
-    with caplog.at_level(logging.INFO, logger="inflight.engine.async_engine"):
+    with caplog.at_level(logging.INFO, logger="inflight.engine.stats"):
         listener(stats, [], 0.0)
         listener(stats, [], 0.01)
         listener(stats, [], 0.06)

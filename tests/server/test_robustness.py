@@ -9,6 +9,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from inflight.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError,
+                             RequestFailedError)
+from inflight.server.errors import to_openai
 from tests.server.conftest import MODEL, get_json, serve, wait_until
 
 pytestmark = pytest.mark.slow
@@ -260,3 +263,18 @@ def test_tokenize_detokenize(url, real_engine):
     chat = httpx.post(url + "/tokenize", json={
         "messages": [{"role": "user", "content": "hi"}], "model": MODEL}).json()
     assert chat["count"] > 3
+
+
+@pytest.mark.parametrize("error,status,code,param,retry", [
+    (InvalidRequestError("prompt: too long", param="prompt", code="context_length_exceeded"),
+     400, "context_length_exceeded", "messages", None),
+    (InvalidRequestError("max_tokens: too many"), 400, None, "max_completion_tokens", None),
+    (EngineOverloadedError("queue full", retry_after=2.6), 503, "server_overloaded", None, "3"),
+    (EngineDeadError("stopped"), 503, "server_unavailable", None, None),
+    (RequestFailedError("boom"), 500, "engine_error", None, None),
+])
+def test_engine_errors_convert_once_at_the_http_edge(error, status, code, param, retry):
+    e = to_openai(error, {"prompt": "messages", "max_tokens": "max_completion_tokens"})
+    assert (e.status, e.code, e.param) == (status, code, param)
+    assert (e.headers or {}).get("Retry-After") == retry
+    assert error.message in e.message

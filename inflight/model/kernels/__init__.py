@@ -6,7 +6,8 @@ shape) falls back to the PyTorch path, logged once.
 - ``prefill_attention.c``: prefill chunks over the paged cache (AVX-512, head size 64).
 - ``linear.c``: the skinny linear layer for decode at batch 1-2.
 - ``rms_norm.c``, ``activation.c``: RMSNorm and ``silu_and_mul`` in one pass.
-- ``kernels.h``: the exported functions, checked against every definition.
+- ``kernels.h``: the exported functions, checked against every definition by the compiler;
+  the ctypes bindings are read from it (``header.py``).
 - ``decode_layers.c``: the decoder stack for a decode step of 1-2 tokens in one call, the
   kernels above in the per-module path's order (bit-identical), without Python between them.
 
@@ -32,9 +33,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from inflight.model.kernels.header import read_signatures
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +50,6 @@ _HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h", _DIR / "kernels.h"]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-fPIC"]
-# Exported functions: return type and argument types, one letter each (i int, l int64_t,
-# f float, p pointer, v void).
-_SIGNATURES = {
-    "paged_decode_attention": "i:ippppplllllllfll",
-    "reshape_and_cache": "i:lplplpplllll",
-    "paged_prefill_attention": "i:iplppllplllllfl",
-    "paged_prefill_head_dim": "l:",
-    "skinny_linear": "i:ippppllll",
-    "rms_norm": "i:ipppllfl",
-    "silu_and_mul": "v:ipplll",
-    "decode_layers": "i:iplpllllllfpppplpllfll",
-}
-_CTYPES = {"i": ctypes.c_int, "l": ctypes.c_int64, "f": ctypes.c_float, "p": ctypes.c_void_p,
-           "v": None}
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -103,19 +94,21 @@ def _build() -> ctypes.CDLL | None:
                            error[-2000:])
             return None
     lib = ctypes.CDLL(str(lib_path))
-    for name, signature in _SIGNATURES.items():
-        ret, args = signature.split(":")
+    for name, (restype, argtypes) in read_signatures(_DIR / "kernels.h").items():
         f = getattr(lib, name)
-        f.restype = _CTYPES[ret]
-        f.argtypes = [_CTYPES[c] for c in args]
+        f.restype = restype
+        f.argtypes = argtypes
     # Asked once: the head size the prefill kernel was built for (0: not built, no AVX-512).
     lib.prefill_head_dim = lib.paged_prefill_head_dim()
     return lib
 
 
 def native_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot be had (built once per process)."""
+    """The compiled kernel library, or None where it cannot be had (built once per process),
+    or while ``use_native_kernels(False)`` is in force."""
     global _lib, _tried
+    if _disabled:
+        return None
     if not _tried:
         _tried = True
         try:
@@ -124,6 +117,22 @@ def native_library() -> ctypes.CDLL | None:
             logger.exception("loading the native kernels failed; using PyTorch alone")
             _lib = None
     return _lib
+
+
+_disabled = False
+
+
+@contextmanager
+def use_native_kernels(enabled: bool) -> Iterator[None]:
+    """Within the block, every kernel here answers None (``enabled=False``: the callers run
+    PyTorch's path, as on a machine without a compiler) or the library as usual. Tests
+    compare both paths with it."""
+    global _disabled
+    before, _disabled = _disabled, not enabled
+    try:
+        yield
+    finally:
+        _disabled = before
 
 
 def _native_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:

@@ -1,0 +1,227 @@
+"""From sampled tokens to ``RequestOutput``: the engine's text side.
+
+Owns what a request needs beyond its tokens: the ``n`` sequences of one user request (a
+group), each sequence's detokenizer, stop strings, stream deltas, logprobs assembly and the
+reason a group ended early (an error, load shedding, an abort by the server). The scheduler
+owns token-level state and stops; this owns text-level ones. vLLM v1 splits its engine the
+same way (``EngineCore`` / ``OutputProcessor``, vllm/v1/engine/output_processor.py).
+
+Stop strings are checked only once a sequence has ``min_tokens`` tokens; a match is handed
+back to the engine, which ends the request in the scheduler. Structured output and tool-call
+parsing plug in here (and in the sampler).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from inflight.errors import InvalidRequestError
+from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inflight.request import Request, RequestOptions
+from inflight.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _Sequence:
+    """One of a group's ``n`` sequences: its request, detokenizer and stream cursor."""
+
+    def __init__(self, request: Request, index: int, detokenizer: Any,
+                 group: "_Group") -> None:
+        self.request = request
+        self.index = index
+        self.detokenizer = detokenizer  # IncrementalDetokenizer, or None without a tokenizer
+        self.group = group
+        self.num_sent_tokens = 0  # tokens already returned in stream deltas
+        self.sent_finish = False
+
+
+@dataclass
+class _Group:
+    """The ``n`` sequences of one user request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    stream: bool
+    seqs: list[_Sequence] = field(default_factory=list)
+    error: str | None = None
+    shed_reason: str | None = None
+    abort_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+
+@dataclass
+class ProcessedStep:
+    """What ``OutputProcessor.process`` asks of the engine.
+
+    Attributes:
+        stopped: ``(request, stop string)`` to end as stopped.
+        failed: requests whose group failed in output processing; to abort.
+    """
+
+    stopped: list[tuple[Request, str]] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Groups, detokenizers and outputs of every unfinished request.
+
+    Args:
+        tokenizer: an ``inflight.tokenizer.Tokenizer``, or None (outputs then carry token
+            ids and empty text).
+    """
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self._groups: dict[str, _Group] = {}  # by user request id
+        self._seqs: dict[str, _Sequence] = {}  # by sequence (scheduler request) id
+        self._dirty: dict[str, _Group] = {}  # groups with something to report this step
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, *, stream: bool, arrival_time: float,
+                    eos_token_ids: frozenset[int], options: RequestOptions) -> list[Request]:
+        """Fan a user request out into its ``n`` sequences; returns their requests
+        for the scheduler (ids ``request_id``, or ``{i}_{request_id}`` when ``n > 1``;
+        sequence ``i`` of a seeded request gets ``seed + i``).
+
+        Raises:
+            InvalidRequestError: ``request_id`` is already in use.
+        """
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        group = _Group(request_id, prompt, prompt_token_ids, stream)
+        for i in range(params.n):
+            seq_params, seq_id = params, request_id
+            if params.n > 1:
+                seq_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+                seq_id = f"{i}_{request_id}"
+            req = Request(seq_id, prompt_token_ids, seq_params, arrival_time, eos_token_ids,
+                          priority=options.priority, ttft_slo=options.ttft_slo,
+                          itl_slo=options.itl_slo)
+            seq = _Sequence(req, i, self._make_detokenizer(req), group)
+            group.seqs.append(seq)
+            self._seqs[seq_id] = seq
+        self._groups[request_id] = group
+        return [s.request for s in group.seqs]
+
+    def _make_detokenizer(self, req: Request) -> Any:
+        if self.tokenizer is None:
+            return None
+        from inflight.tokenizer.detokenizer import IncrementalDetokenizer
+
+        p = req.sampling_params
+        return IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+            stop=p.stop_strings, include_stop_str_in_output=p.include_stop_str_in_output)
+
+    # --- a step's tokens ----------------------------------------------------------------
+    def process(self, requests: Iterable[Request]) -> ProcessedStep:
+        """Detokenize each request's newest token and check its stop strings.
+
+        A sequence whose output processing raises fails its whole group (logged); the
+        others go on.
+        """
+        result = ProcessedStep()
+        for req in requests:
+            seq = self._seqs[req.request_id]
+            try:
+                stop = self._detokenize(seq)
+            except Exception as e:  # fail only the request whose output broke
+                logger.exception("output of %s failed", req.request_id)
+                result.failed += self.end_group(req.request_id, error=f"{type(e).__name__}: {e}")
+                continue
+            if stop is not None:
+                result.stopped.append((req, stop))
+            self._dirty[seq.group.request_id] = seq.group
+        return result
+
+    def _detokenize(self, seq: _Sequence) -> str | None:
+        if seq.detokenizer is None:
+            return None
+        req = seq.request
+        past_min = req.num_output_tokens >= req.sampling_params.min_tokens
+        stop: str | None = seq.detokenizer.add_tokens(req.output_token_ids[-1:],
+                                                      check_stop=past_min)
+        return stop
+
+    def end_group(self, request_id: str, *, error: str | None = None,
+                  shed_reason: str | None = None, abort_reason: str | None = None,
+                  ) -> list[Request]:
+        """Record why the group holding sequence (or user request) ``request_id`` ends
+        early; returns all its sequences, for the engine to finish in the scheduler."""
+        seq = self._seqs.get(request_id)
+        group = seq.group if seq is not None else self._groups[request_id]
+        group.error = group.error or error
+        group.shed_reason = group.shed_reason or shed_reason
+        group.abort_reason = group.abort_reason or abort_reason
+        self._dirty[group.request_id] = group
+        return [s.request for s in group.seqs]
+
+    def is_finished(self, request_id: str) -> bool:
+        """True when no unfinished user request has this id."""
+        group = self._groups.get(request_id)
+        return group is None or group.finished
+
+    # --- outputs ------------------------------------------------------------------------
+    def make_outputs(self) -> list[RequestOutput]:
+        """Outputs of the groups touched since the last call: a delta per step for streamed
+        ones, one cumulative output at the end otherwise. Finished groups are forgotten."""
+        outputs = []
+        for rid, group in self._dirty.items():
+            finished = group.finished
+            if group.stream or finished:
+                outputs.append(self._make_output(group, finished))
+            if finished:
+                del self._groups[rid]
+                for seq in group.seqs:
+                    del self._seqs[seq.request.request_id]
+        self._dirty.clear()
+        return outputs
+
+    def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
+        completions = []
+        for seq in group.seqs:
+            req = seq.request
+            if group.stream:
+                start = seq.num_sent_tokens
+                if start == req.num_output_tokens and (seq.sent_finish or not req.is_finished):
+                    continue  # nothing new for this sequence
+                seq.num_sent_tokens = req.num_output_tokens
+                seq.sent_finish = req.is_finished
+                text = seq.detokenizer.get_delta(req.is_finished) if seq.detokenizer else ""
+            else:
+                start = 0
+                text = seq.detokenizer.output_text if seq.detokenizer else ""
+            wants_logprobs = req.sampling_params.logprobs is not None
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=req.output_token_ids[start:],
+                logprobs=req.output_logprobs[start:] if wants_logprobs else None,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason))
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
+            metrics=_metrics([s.request for s in group.seqs]), error=group.error,
+            shed_reason=group.shed_reason, abort_reason=group.abort_reason,
+            num_cached_tokens=group.seqs[0].request.num_cached_tokens)
+
+
+def _metrics(requests: Sequence[Request]) -> RequestMetrics:
+    first = requests[0]
+    return RequestMetrics(
+        arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+        first_token_time=first.first_token_time, last_token_time=first.last_token_time,
+        finished_time=first.finished_time,
+        num_preemptions=sum(r.num_preemptions for r in requests))

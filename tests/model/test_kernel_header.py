@@ -1,0 +1,33 @@
+"""The ctypes bindings come from kernels.h: every prototype parsed, unknown types refused."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+
+from inflight.model.kernels.header import parse_signatures, read_signatures
+
+HEADER = Path(__file__).resolve().parents[2] / "inflight/model/kernels/kernels.h"
+
+
+def test_kernels_h_binds_every_exported_function():
+    sig = read_signatures(HEADER)
+    assert set(sig) == {"paged_decode_attention", "reshape_and_cache", "paged_prefill_attention",
+                        "paged_prefill_head_dim", "skinny_linear", "rms_norm", "silu_and_mul",
+                        "decode_layers"}
+    i, l, f, p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    assert sig["rms_norm"] == (i, [i, p, p, p, l, l, f, l])
+    assert sig["silu_and_mul"] == (None, [i, p, p, l, l, l])
+    assert sig["paged_prefill_head_dim"] == (l, [])
+    assert len(sig["decode_layers"][1]) == 22
+
+
+def test_unknown_or_unnamed_types_fail_loudly():
+    assert parse_signatures("/* c */ int f(const int64_t *x, float y); // note\n#define X 1") == {
+        "f": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_float])}
+    with pytest.raises(ValueError, match="double"):
+        parse_signatures("int g(double x);")
+    with pytest.raises(ValueError, match="needs a name"):
+        parse_signatures("int h(int);")
