@@ -57,7 +57,7 @@ class Request:
     """One sequence being generated (one of the ``n`` completions of a prompt).
 
     Args:
-        request_id: unique id (the engine adds ``-i`` suffixes for ``n > 1``).
+        request_id: unique id (sequence ``i`` of an ``n > 1`` request is ``{i}_{id}``).
         prompt_token_ids: prompt ids, at least one.
         sampling_params: validated parameters.
         arrival_time: seconds, ``time.monotonic()`` clock.

@@ -64,6 +64,10 @@ class ModelRunner:
                           for _ in range(c.num_hidden_layers)]
         self.step_timer = NULL_TIMER  # the engine hands in its own
 
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's per-request state (its sampler generator)."""
+        self.sampler.release(request_id)
+
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         """Run one step; returns one sampled token per request that completed its tokens."""
         logits, requests = self.compute_logits(out)

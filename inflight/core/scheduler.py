@@ -157,12 +157,15 @@ class Scheduler:
 
     def stop_request(self, request: Request, stop_reason: str) -> None:
         """A stop string matched (the output processor's check): end ``request`` as
-        stopped, relabelling one that this step ended for length."""
-        request.stop_reason = stop_reason
-        if request.is_finished:
+        stopped. One this step ended for length is relabelled (the stop string wins); one
+        already stopped (EOS, a stop token: checked first) or aborted stays as it is."""
+        if request.status == RequestStatus.FINISHED_LENGTH:
             request.status = RequestStatus.FINISHED_STOPPED
-        else:
+        elif not request.is_finished:
             self.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        else:
+            return
+        request.stop_reason = stop_reason
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -323,7 +326,12 @@ class Scheduler:
 
     def _num_tokens_to_schedule(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
-        if n < remaining and not self.config.enable_chunked_prefill:
+        # Chunked prefill off: wait for a step with room for all of it, unless it can never
+        # fit one (a preempted request recomputing prompt + output past the budget), which
+        # would otherwise block the queue for ever.
+        cfg = self.config
+        if (n < remaining and not cfg.enable_chunked_prefill
+                and remaining <= cfg.max_num_batched_tokens):
             return 0
         return n
 

@@ -97,6 +97,10 @@ class AsyncEngine:
     def config(self) -> EngineConfig:
         return self.engine.config
 
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.kv_cache.num_blocks
+
     def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> int:
         """``Engine.check_prompt_fits``; safe on the event loop (it reads only settings)."""
         return self.engine.check_prompt_fits(num_prompt_tokens, max_tokens)

@@ -177,12 +177,12 @@ class Engine:
                 self.scheduler.step_model.observe(out.num_batched_tokens, time.perf_counter() - t0)
                 with timer.section("output"):
                     processed = self.output_processor.process(self.scheduler.update(out, sampled))
+                    self._abort(processed.failed)
                     for req, stop in processed.stopped:
                         self.scheduler.stop_request(req, stop)
-                    self._abort(processed.failed)
                 self._release(r.request for r in out.scheduled if r.request.is_finished)
         with timer.section("output"):
-            outputs = self.output_processor.make_outputs()
+            outputs = self.output_processor.make_outputs(self._abort)
         timer.end_step(len(out.scheduled), out.num_batched_tokens)
         return outputs
 
@@ -191,8 +191,8 @@ class Engine:
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
         self._release(requests)
 
-    def _release(self, requests: Any) -> None:
-        sampler = getattr(self.runner, "sampler", None)
-        if sampler is not None:
+    def _release(self, requests: Iterable[Request]) -> None:
+        release = getattr(self.runner, "release", None)  # per-request runner state, if any
+        if release is not None:
             for req in requests:
-                sampler.release(req.request_id)
+                release(req.request_id)

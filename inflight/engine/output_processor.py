@@ -14,7 +14,7 @@ parsing plug in here (and in the sampler).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,14 +100,15 @@ class OutputProcessor:
         Raises:
             InvalidRequestError: ``request_id`` is already in use.
         """
-        if request_id in self._groups:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        seq_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        for rid in {request_id, *seq_ids}:
+            if rid in self._groups or rid in self._seqs:
+                raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         group = _Group(request_id, prompt, prompt_token_ids, stream)
-        for i in range(params.n):
-            seq_params, seq_id = params, request_id
+        for i, seq_id in enumerate(seq_ids):
+            seq_params = params
             if params.n > 1:
                 seq_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-                seq_id = f"{i}_{request_id}"
             req = Request(seq_id, prompt_token_ids, seq_params, arrival_time, eos_token_ids,
                           priority=options.priority, ttft_slo=options.ttft_slo,
                           itl_slo=options.itl_slo)
@@ -176,26 +177,41 @@ class OutputProcessor:
         return group is None or group.finished
 
     # --- outputs ------------------------------------------------------------------------
-    def make_outputs(self) -> list[RequestOutput]:
+    def make_outputs(self, abort: Callable[[list[Request]], None]) -> list[RequestOutput]:
         """Outputs of the groups touched since the last call: a delta per step for streamed
-        ones, one cumulative output at the end otherwise. Finished groups are forgotten."""
+        ones, one cumulative output at the end otherwise. Finished groups are forgotten.
+
+        Args:
+            abort: ends requests in the scheduler; called with a group's sequences when
+                building its output raises (logged), whose output then carries the error
+                and no text.
+        """
+        dirty = list(self._dirty.values())
+        self._dirty.clear()
         outputs = []
-        for rid, group in self._dirty.items():
-            finished = group.finished
-            if group.stream or finished:
-                outputs.append(self._make_output(group, finished))
-            if finished:
-                del self._groups[rid]
+        for group in dirty:
+            try:
+                if group.stream or group.finished:
+                    outputs.append(self._make_output(group, group.finished))
+            except Exception as e:  # fail only the request whose output broke
+                logger.exception("output of %s failed", group.request_id)
+                group.error = group.error or f"{type(e).__name__}: {e}"
+                abort([s.request for s in group.seqs])
+                outputs.append(self._make_output(group, True, with_text=False))
+            if group.finished:
+                del self._groups[group.request_id]
                 for seq in group.seqs:
                     del self._seqs[seq.request.request_id]
-        self._dirty.clear()
         return outputs
 
-    def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
+    def _make_output(self, group: _Group, finished: bool, with_text: bool = True,
+                     ) -> RequestOutput:
         completions = []
         for seq in group.seqs:
             req = seq.request
-            if group.stream:
+            if not with_text:
+                start, text = seq.num_sent_tokens if group.stream else 0, ""
+            elif group.stream:
                 start = seq.num_sent_tokens
                 if start == req.num_output_tokens and (seq.sent_finish or not req.is_finished):
                     continue  # nothing new for this sequence

@@ -94,7 +94,7 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
 def _config_labels(engine: AsyncEngine, name: str) -> dict[str, str]:
     cfg = engine.config
     return {"model": name, "block_size": str(cfg.block_size),
-            "num_kv_blocks": str(engine.engine.kv_cache.num_blocks),
+            "num_kv_blocks": str(engine.num_kv_blocks),
             "max_num_seqs": str(cfg.max_num_seqs),
             "max_num_batched_tokens": str(cfg.max_num_batched_tokens),
             "max_model_len": str(engine.max_model_len), "batching_policy": cfg.batching_policy,

@@ -115,13 +115,16 @@ class Generation:
         params: sampling parameters per prompt.
         arrival_time: ``time.monotonic()`` when the HTTP request arrived.
         options: priority and latency targets for every prompt's request.
+        param_names: engine field names -> this route's, for error bodies.
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], arrival_time: float,
-                 options: RequestOptions | None = None) -> None:
+                 options: RequestOptions | None = None,
+                 param_names: dict[str, str] | None = None) -> None:
         self.ctx = ctx
         self.options = options
+        self.param_names = param_names
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -143,7 +146,7 @@ class Generation:
                     options=self.options))
         except EngineError as e:
             self.abort()
-            raise to_openai(e) from None
+            raise to_openai(e, self.param_names) from None
 
     def abort(self) -> None:
         """Abort every unfinished engine request of this call (idempotent)."""
@@ -192,7 +195,7 @@ class Generation:
             async for item in _interleave(self.streams):
                 yield item[0], _checked(item[1])
         except EngineError as e:
-            raise to_openai(e) from None
+            raise to_openai(e, self.param_names) from None
         finally:
             self.abort()
 

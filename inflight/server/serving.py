@@ -169,12 +169,12 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         logprobs = req.top_logprobs or 0
     elif req.top_logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    mt = check_prompt_len(ctx.engine, len(ids), max_tokens,
-                          {"prompt": "messages", "max_tokens": max_param})
+    names = {"prompt": "messages", "max_tokens": max_param}
+    mt = check_prompt_len(ctx.engine, len(ids), max_tokens, names)
     params = build_sampling_params(req, mt, logprobs,
                                    {"logprobs": "top_logprobs", "max_tokens": max_param})
     return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
-                      req.options())
+                      req.options(), names)
 
 
 def render_messages(messages) -> list[dict]:

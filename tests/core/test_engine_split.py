@@ -163,3 +163,76 @@ def test_fake_runner_engine_imports_no_torch():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_stop_request_keeps_an_earlier_stop_and_an_abort():
+    kv = KVCacheManager(8, 4, enable_prefix_caching=False)
+    sched = Scheduler(EngineConfig(), kv, max_model_len=1000)
+    by_token = Request("t", [3, 4], SamplingParams(max_tokens=5, stop_token_ids=[9]))
+    aborted = Request("a", [3, 4], SamplingParams(max_tokens=5))
+    for r in (by_token, aborted):
+        sched.add_request(r)
+    _step(sched, 9)
+    sched.finish_request(aborted, RequestStatus.FINISHED_ABORTED)
+    for r in (by_token, aborted):
+        sched.stop_request(r, "nine")  # the same token also completed a stop string
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", 9)
+    assert (aborted.finish_reason, aborted.stop_reason) == ("abort", None)
+
+
+def test_recompute_past_the_budget_is_chunked_even_with_chunked_prefill_off():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
+    sched = Scheduler(EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=8), kv,
+                      max_model_len=1000)
+    req = Request("p", [3] * 6, SamplingParams(max_tokens=20, ignore_eos=True))
+    for t in range(5):  # as after a preemption: 11 known tokens, none in the cache
+        req.append_output_token(5, None, 0.0)
+    sched.add_request(req)
+    plans = [sched.schedule(now=0.0) for _ in range(2)]
+    assert [[(s.num_computed_tokens, s.num_scheduled_tokens, s.samples) for s in p.scheduled]
+            for p in plans] == [[(0, 8, False)], [(8, 3, True)]]
+
+
+def test_sequence_ids_of_n_never_collide_with_request_ids():
+    engine = make_engine(FakeRunner())
+    engine.add_request("x", [3], SamplingParams(n=2))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("0_x", [3], SamplingParams())
+    engine.add_request("1_y", [3], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("y", [3], SamplingParams(n=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache.num_free_blocks == 64
+
+
+class _Echo(FakeRunner):
+    """Each request's tokens repeat its first prompt token."""
+
+    def execute(self, out):
+        return [SampleResult(s.request, s.request.prompt_token_ids[0], None)
+                for s in out.scheduled if s.samples]
+
+
+def test_an_output_that_fails_to_build_fails_only_its_request(monkeypatch):
+    from inflight.tokenizer.detokenizer import IncrementalDetokenizer
+
+    real = IncrementalDetokenizer.get_delta
+
+    def get_delta(self, finished=False):
+        if "B" in self.output_text:
+            raise RuntimeError("delta exploded")
+        return real(self, finished)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "get_delta", get_delta)
+    engine = _engine_with(_Echo())
+    for rid, tok in (("ok", 65), ("bad", 66)):
+        engine.add_request(rid, [tok], SamplingParams(max_tokens=4, ignore_eos=True),
+                           stream=True)
+    outs = [o for _ in range(8) for o in engine.step()]
+    bad = [o for o in outs if o.request_id == "bad"]
+    ok = [o for o in outs if o.request_id == "ok"]
+    assert len(bad) == 1 and bad[0].finished and "delta exploded" in bad[0].error
+    assert bad[0].outputs[0].finish_reason == "abort"
+    assert "".join(o.outputs[0].text for o in ok) == "AAAA" and ok[-1].finished
+    assert not engine.has_unfinished_requests() and engine.kv_cache.num_free_blocks == 64
