@@ -159,7 +159,8 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams, *, arrival_time: float | None = None,
-                    options: RequestOptions | None = None) -> RequestStream:
+                    options: RequestOptions | None = None,
+                    reservation: "Reservation | None" = None) -> RequestStream:
         """Queue a request; returns its ``RequestStream`` at once.
 
         Must be called from a running event loop (the outputs are delivered to it).
@@ -171,6 +172,8 @@ class AsyncEngine:
             arrival_time: ``time.monotonic()`` seconds when the request arrived; TTFT and
                 queue time count from here. Now when None.
             options: priority and latency targets for the scheduler.
+            reservation: places taken earlier by ``reserve``; this request uses ``n`` of
+                them instead of being admitted again.
 
         Raises:
             EngineOverloadedError: ``max_num_waiting`` sequences already wait.
@@ -183,27 +186,59 @@ class AsyncEngine:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
         n = sampling_params.n
-        self.check_num_seqs(n)
+        reserved = reservation is not None and reservation.remaining >= n
+        if not reserved:
+            self.check_num_seqs(n)
         stream = RequestStream(request_id, self.abort, loop)
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-            waiting = self._num_pending + self._stats.num_waiting
-            # Sequences the next step can admit into free running slots do not queue.
-            free_slots = max(0, self.engine.config.max_num_seqs - self._stats.num_running)
-            if self.max_num_waiting is not None \
-                    and waiting + n > self.max_num_waiting + free_slots:
-                raise EngineOverloadedError(
-                    f"the server is overloaded: {waiting} sequences are queued for "
-                    f"{free_slots} free running slots and max_num_waiting="
-                    f"{self.max_num_waiting} more; retry later")
-            self._num_pending += n
+            if reserved:
+                assert reservation is not None
+                reservation.remaining -= n  # already counted in _num_pending
+            else:
+                self._check_room(n)
+                self._num_pending += n
             self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._commands.put(AddRequest(request_id, prompt, sampling_params, arrival,
                                       options or RequestOptions()))
         self._wake.set()
         return stream
+
+    def reserve(self, num_seqs: int) -> "Reservation":
+        """Admit ``num_seqs`` sequences now, before any costly work (templating,
+        tokenizing), and hold their places until ``add_request`` takes them or the
+        reservation is released: concurrent callers see each other's places, so a burst is
+        refused at once rather than after every request's tokenization.
+
+        Raises:
+            EngineDeadError, RequestTooLargeError, EngineOverloadedError: as ``add_request``.
+        """
+        if not self.is_running:
+            raise EngineDeadError(self._dead or "the engine is not running")
+        self.check_num_seqs(num_seqs)
+        with self._lock:
+            self._check_room(num_seqs)
+            self._num_pending += num_seqs
+        return Reservation(self, num_seqs)
+
+    def _unreserve(self, n: int) -> None:
+        with self._lock:
+            self._num_pending -= n
+
+    def _check_room(self, n: int) -> None:
+        # Called with the lock held.
+        if self.max_num_waiting is None:
+            return
+        waiting = self._num_pending + self._stats.num_waiting
+        # Sequences the next step can admit into free running slots do not queue.
+        free_slots = max(0, self.engine.config.max_num_seqs - self._stats.num_running)
+        if waiting + n > self.max_num_waiting + free_slots:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {waiting} sequences are queued for "
+                f"{free_slots} free running slots and max_num_waiting="
+                f"{self.max_num_waiting} more; retry later")
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort ``request_id`` (no-op if it already finished)."""
@@ -360,6 +395,20 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", rid)
             stream.put(RequestFailedError(message))
+
+
+class Reservation:
+    """Places for sequences admitted by ``AsyncEngine.reserve``; ``release`` gives back
+    those no ``add_request`` took (idempotent)."""
+
+    def __init__(self, engine: AsyncEngine, num_seqs: int) -> None:
+        self._engine = engine
+        self.remaining = num_seqs
+
+    def release(self) -> None:
+        n, self.remaining = self.remaining, 0
+        if n:
+            self._engine._unreserve(n)
 
 
 def _as_engine_error(e: Exception) -> EngineError:

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.async_engine import AsyncEngine, Reservation
 from inflight.engine.stream import RequestStream, merge_outputs
 from inflight.errors import EngineError
 from inflight.outputs import RequestOutput
@@ -87,6 +87,17 @@ def check_common(ctx: ServerContext, req: SamplingRequest) -> None:
                           param="stream_options")
 
 
+def reserve(ctx: ServerContext, num_seqs: int) -> Reservation:
+    """Admit ``num_seqs`` sequences now (``AsyncEngine.reserve``), else 503 (400 for a call
+    that could never fit): asked after the body's cheap checks and before templating and
+    tokenizing, so a refused request never waits behind accepted ones' work. The caller
+    releases the reservation if it gives up before ``Generation.start``."""
+    try:
+        return ctx.engine.reserve(num_seqs)
+    except EngineError as e:
+        raise to_openai(e) from None
+
+
 async def encode(ctx: ServerContext, text: str, param: str,
                  add_special_tokens: bool = True) -> list[int]:
     """Tokenize off the event loop; text the tokenizer refuses (a lone surrogate) is a 400."""
@@ -116,13 +127,16 @@ class Generation:
         arrival_time: ``time.monotonic()`` when the HTTP request arrived.
         options: priority and latency targets for every prompt's request.
         param_names: engine field names -> this route's, for error bodies.
+        reservation: the places ``reserve`` took for this call's sequences.
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], arrival_time: float,
                  options: RequestOptions | None = None,
-                 param_names: dict[str, str] | None = None) -> None:
+                 param_names: dict[str, str] | None = None,
+                 reservation: Reservation | None = None) -> None:
         self.ctx = ctx
+        self.reservation = reservation
         self.options = options
         self.param_names = param_names
         self.request_id = request_id
@@ -143,10 +157,13 @@ class Generation:
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
                 self.streams.append(self.ctx.engine.add_request(
                     f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time,
-                    options=self.options))
+                    options=self.options, reservation=self.reservation))
         except EngineError as e:
             self.abort()
             raise to_openai(e, self.param_names) from None
+        finally:
+            if self.reservation is not None:
+                self.reservation.release()
 
     def abort(self) -> None:
         """Abort every unfinished engine request of this call (idempotent)."""

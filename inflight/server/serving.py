@@ -17,8 +17,9 @@ from typing import Any
 
 from inflight.outputs import RequestOutput
 from inflight.server.errors import OpenAIError, bad_request
-from inflight.server.generation import (Generation, ServerContext, build_sampling_params, encode,
-                                        check_common, check_prompt_len, check_token_ids)
+from inflight.server.generation import (Generation, ServerContext, build_sampling_params,
+                                        check_common, check_prompt_len, check_token_ids,
+                                        encode, reserve)
 from inflight.server.logprobs import chat_logprobs, completion_logprobs
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -45,21 +46,26 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
         raw = req.prompt  # type: ignore[assignment]
     if not raw:
         raise bad_request("prompt: must not be empty", param="prompt")
-    prompts: list[list[int]] = []
-    for p in raw:
-        if isinstance(p, str):
-            ids = await encode(ctx, p, "prompt") if p else []
-        else:
-            check_token_ids(ctx, p, "prompt")
-            ids = list(p)
-        if not ids:
-            raise bad_request("prompt: must not be empty", param="prompt")
-        prompts.append(ids)
-    params = [build_sampling_params(req, check_prompt_len(ctx.engine, len(ids), req.max_tokens),
-                                    req.logprobs)
-              for ids in prompts]
-    return Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
-                      req.options())
+    reservation = reserve(ctx, len(raw) * req.n)
+    try:
+        prompts: list[list[int]] = []
+        for p in raw:
+            if isinstance(p, str):
+                ids = await encode(ctx, p, "prompt") if p else []
+            else:
+                check_token_ids(ctx, p, "prompt")
+                ids = list(p)
+            if not ids:
+                raise bad_request("prompt: must not be empty", param="prompt")
+            prompts.append(ids)
+        params = [build_sampling_params(
+            req, check_prompt_len(ctx.engine, len(ids), req.max_tokens), req.logprobs)
+            for ids in prompts]
+        return Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
+                          req.options(), reservation=reservation)
+    except BaseException:  # a 400 after admission, or the client gone: free the places
+        reservation.release()
+        raise
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -152,15 +158,6 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
     if req.tools:
         raise bad_request("tools are not supported", param="tools")
     messages = render_messages(req.messages)
-    tok = ctx.engine.tokenizer
-    try:
-        text = await asyncio.to_thread(tok.apply_chat_template, messages,
-                                       add_generation_prompt=req.add_generation_prompt)
-    except ValueError as e:
-        raise bad_request(str(e), param="messages") from None
-    ids = await encode(ctx, text, "messages", add_special_tokens=False)
-    if not ids:
-        raise bad_request("messages: the rendered prompt is empty", param="messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -169,12 +166,26 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         logprobs = req.top_logprobs or 0
     elif req.top_logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    names = {"prompt": "messages", "max_tokens": max_param}
-    mt = check_prompt_len(ctx.engine, len(ids), max_tokens, names)
-    params = build_sampling_params(req, mt, logprobs,
-                                   {"logprobs": "top_logprobs", "max_tokens": max_param})
-    return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
-                      req.options(), names)
+    reservation = reserve(ctx, req.n)
+    try:
+        tok = ctx.engine.tokenizer
+        try:
+            text = await asyncio.to_thread(tok.apply_chat_template, messages,
+                                           add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
+        ids = await encode(ctx, text, "messages", add_special_tokens=False)
+        if not ids:
+            raise bad_request("messages: the rendered prompt is empty", param="messages")
+        names = {"prompt": "messages", "max_tokens": max_param}
+        mt = check_prompt_len(ctx.engine, len(ids), max_tokens, names)
+        params = build_sampling_params(req, mt, logprobs,
+                                       {"logprobs": "top_logprobs", "max_tokens": max_param})
+        return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
+                          req.options(), names, reservation=reservation)
+    except BaseException:  # a 400 after admission, or the client gone: free the places
+        reservation.release()
+        raise
 
 
 def render_messages(messages) -> list[dict]:

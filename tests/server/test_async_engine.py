@@ -147,6 +147,52 @@ def test_max_num_waiting_bounds_the_queue(tokenizer):
         ae.shutdown()
 
 
+def test_reservations_hold_places_until_taken_or_released(tokenizer):
+    engine, _ = fake_engine(tokenizer, delay=0.02, max_num_seqs=1)
+    ae = AsyncEngine(engine, max_num_waiting=1, log_interval_s=0)
+    ae.start()
+    try:
+        async def main():
+            running = ae.add_request("run", [1, 2], params(1000))
+            await asyncio.wait_for(running.__anext__(), 10)  # admitted and decoding
+            held = ae.reserve(1)              # the one waiting place
+            with pytest.raises(EngineOverloadedError):
+                ae.reserve(1)                 # a concurrent caller sees it taken
+            with pytest.raises(EngineOverloadedError):
+                ae.add_request("x", [1], params(1))
+            assert ae.num_waiting == 1
+            held.release()
+            held.release()                    # idempotent
+            assert ae.num_waiting == 0
+            again = ae.reserve(1)
+            s = ae.add_request("w", [1], params(1), reservation=again)
+            assert again.remaining == 0 and ae.num_waiting == 1  # taken, not counted twice
+            again.release()
+            assert ae.num_waiting == 1
+            running.abort()
+            for st in (running, s):
+                assert (await asyncio.wait_for(_drain(st), 10))[-1].finished
+            assert ae.num_waiting == 0
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+
+
+def test_a_400_after_admission_gives_its_places_back(overload_server):
+    url = overload_server.base_url
+    for _ in range(3):  # each would hold the only waiting place if it leaked
+        r = httpx.post(url + "/v1/completions", timeout=30,
+                       json={"prompt": "hi", "max_tokens": 100_000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}],
+                             "max_completion_tokens": 100_000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    assert get_json(url, "/stats")["num_requests_waiting"] == 0
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+
+
 def test_free_running_slots_do_not_count_as_waiting(tokenizer):
     engine, _ = fake_engine(tokenizer, max_num_seqs=4)
     ae = AsyncEngine(engine, max_num_waiting=0, log_interval_s=0)
@@ -420,3 +466,36 @@ def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_abort(tokeni
     finally:
         srv.stop()
         ae.shutdown()
+
+
+def test_an_overloaded_server_refuses_before_tokenizing(overload_server, tokenizer, monkeypatch):
+    """Admission is decided before the template and the tokenizer run, so a refused request
+    does not wait behind accepted ones' tokenization in the worker pool."""
+    url = overload_server.base_url
+    calls = []
+    real_encode = type(tokenizer).encode
+
+    def encode(self, *a, **kw):
+        calls.append(a[0])
+        return real_encode(self, *a, **kw)
+
+    body = {"prompt": [1, 2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as running:
+        lines = running.iter_lines()
+        next(lines)
+        waiter = threading.Thread(target=httpx.post, daemon=True, kwargs=dict(
+            url=url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=30))
+        waiter.start()
+        wait_until(lambda: get_json(url, "/stats")["num_requests_waiting"] == 1, timeout=5,
+                   what="one waiting request")
+        monkeypatch.setattr(type(tokenizer), "encode", encode)
+        for path, refused in (("/v1/completions", {"prompt": "count to ten", "max_tokens": 2}),
+                              ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                        "content": "hi"}], "max_tokens": 2})):
+            r = httpx.post(url + path, json=refused, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
+        bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "echo": True}, timeout=30)
+        assert bad.status_code == 400  # bad input is still a 400, overloaded or not
+        assert calls == []
+        monkeypatch.undo()
+    waiter.join(10)
