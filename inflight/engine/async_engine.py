@@ -186,16 +186,15 @@ class AsyncEngine:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
         n = sampling_params.n
-        reserved = reservation is not None and reservation.remaining >= n
-        if not reserved:
+        held = reservation if reservation is not None and reservation.remaining >= n else None
+        if held is None:
             self.check_num_seqs(n)
         stream = RequestStream(request_id, self.abort, loop)
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-            if reserved:
-                assert reservation is not None
-                reservation.remaining -= n  # already counted in _num_pending
+            if held is not None:
+                held.remaining -= n  # already counted in _num_pending
             else:
                 self._check_room(n)
                 self._num_pending += n
@@ -221,7 +220,7 @@ class AsyncEngine:
         with self._lock:
             self._check_room(num_seqs)
             self._num_pending += num_seqs
-        return Reservation(self, num_seqs)
+        return Reservation(self._unreserve, num_seqs)
 
     def _unreserve(self, n: int) -> None:
         with self._lock:
@@ -401,14 +400,14 @@ class Reservation:
     """Places for sequences admitted by ``AsyncEngine.reserve``; ``release`` gives back
     those no ``add_request`` took (idempotent)."""
 
-    def __init__(self, engine: AsyncEngine, num_seqs: int) -> None:
-        self._engine = engine
+    def __init__(self, give_back: Callable[[int], None], num_seqs: int) -> None:
+        self._give_back = give_back
         self.remaining = num_seqs
 
     def release(self) -> None:
         n, self.remaining = self.remaining, 0
         if n:
-            self._engine._unreserve(n)
+            self._give_back(n)
 
 
 def _as_engine_error(e: Exception) -> EngineError:

@@ -20,7 +20,6 @@ from inflight.core.scheduler import Scheduler
 from inflight.engine.inputs import tokenize_prompt
 from inflight.engine.output_processor import OutputProcessor
 from inflight.engine.stats import EngineStats
-from inflight.errors import InvalidRequestError
 from inflight.outputs import RequestOutput
 from inflight.profiling import StepTimer
 from inflight.request import Request, RequestOptions, RequestStatus
@@ -64,6 +63,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache, max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
         self._num_steps = 0
+        # Per-request runner state to forget when a request ends (the sampler's generators);
+        # fakes may have none.
+        self._runner_release = getattr(runner, "release", None)
         self.step_timer = StepTimer(config.step_breakdown, getattr(runner, "device", None))
         if hasattr(runner, "step_timer"):
             runner.step_timer = self.step_timer
@@ -104,8 +106,6 @@ class Engine:
                 the KV pool, or the step budget with chunked prefill off).
         """
         params = sampling_params or SamplingParams()
-        if request_id in self.output_processor:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         text, ids = tokenize_prompt(self.tokenizer, prompt)
         self.check_prompt_fits(len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -176,11 +176,12 @@ class Engine:
             else:
                 self.scheduler.step_model.observe(out.num_batched_tokens, time.perf_counter() - t0)
                 with timer.section("output"):
-                    processed = self.output_processor.process(self.scheduler.update(out, sampled))
+                    updated = self.scheduler.update(out, sampled)
+                    processed = self.output_processor.process(updated)
                     self._abort(processed.failed)
                     for req, stop in processed.stopped:
                         self.scheduler.stop_request(req, stop)
-                self._release(r.request for r in out.scheduled if r.request.is_finished)
+                    self._release([r for r in updated if r.is_finished])
         with timer.section("output"):
             outputs = self.output_processor.make_outputs(self._abort)
         timer.end_step(len(out.scheduled), out.num_batched_tokens)
@@ -192,7 +193,6 @@ class Engine:
         self._release(requests)
 
     def _release(self, requests: Iterable[Request]) -> None:
-        release = getattr(self.runner, "release", None)  # per-request runner state, if any
-        if release is not None:
+        if self._runner_release is not None:
             for req in requests:
-                release(req.request_id)
+                self._runner_release(req.request_id)

@@ -27,11 +27,18 @@ def tokenize_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> tuple[str | 
         ids = list(tokenizer.encode(prompt))
     else:
         text, ids = None, list(prompt)
-        vocab = getattr(tokenizer, "vocab_size", None)
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab and t >= vocab):
-                raise InvalidRequestError(f"prompt: token id {t!r} is not in the vocabulary",
-                                          param="prompt")
+        check_token_ids(ids, getattr(tokenizer, "vocab_size", None))
     if not ids:
         raise InvalidRequestError("prompt: must not be empty", param="prompt")
     return text, ids
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str = "prompt") -> None:
+    """Raise ``InvalidRequestError`` naming ``param`` unless every id is an int in
+    ``[0, vocab_size)`` (any non-negative int when ``vocab_size`` is None)."""
+    for t in ids:
+        if (not isinstance(t, int) or isinstance(t, bool) or t < 0
+                or (vocab_size is not None and t >= vocab_size)):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else "(ids are >= 0)"
+            raise InvalidRequestError(f"{param}: token id {t!r} is outside the vocabulary "
+                                      f"{bound}", param=param)

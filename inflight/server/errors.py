@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inflight.errors import EngineError
+from inflight.errors import EngineError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +69,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_value_error(e: ValueError, param_names: dict[str, str] | None = None) -> OpenAIError:
     """400 from a ``ValueError`` whose message starts with ``field:`` (``SamplingParams``
     and the engine name the field so); ``param_names`` maps internal to API field names."""
-    text = str(e)
-    param = _field_of(text)
-    if param and param_names:
-        param = param_names.get(param, param)
-    return bad_request(text, param=param)
+    return to_openai(InvalidRequestError(str(e)), param_names)
 
 
 def _field_of(message: str) -> str | None:

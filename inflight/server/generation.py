@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from inflight.engine import inputs
 from inflight.engine.async_engine import AsyncEngine, Reservation
 from inflight.engine.stream import RequestStream, merge_outputs
 from inflight.errors import EngineError
@@ -108,11 +109,11 @@ async def encode(ctx: ServerContext, text: str, param: str,
 
 
 def check_token_ids(ctx: ServerContext, ids: Sequence[int], param: str) -> None:
-    vocab = ctx.engine.tokenizer.vocab_size
-    for t in ids:
-        if not 0 <= t < vocab:
-            raise bad_request(f"{param}: token id {t} is outside the vocabulary [0, {vocab})",
-                              param=param)
+    """400 naming ``param`` for an id outside the vocabulary (the engine's own check)."""
+    try:
+        inputs.check_token_ids(ids, ctx.engine.tokenizer.vocab_size, param)
+    except EngineError as e:
+        raise to_openai(e) from None
 
 
 # --- one HTTP request's engine requests ---------------------------------------------------
@@ -125,16 +126,15 @@ class Generation:
         prompts: token ids per prompt.
         params: sampling parameters per prompt.
         arrival_time: ``time.monotonic()`` when the HTTP request arrived.
+        reservation: the places ``reserve`` took for this call's sequences.
         options: priority and latency targets for every prompt's request.
         param_names: engine field names -> this route's, for error bodies.
-        reservation: the places ``reserve`` took for this call's sequences.
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], arrival_time: float,
+                 params: list[SamplingParams], arrival_time: float, reservation: Reservation,
                  options: RequestOptions | None = None,
-                 param_names: dict[str, str] | None = None,
-                 reservation: Reservation | None = None) -> None:
+                 param_names: dict[str, str] | None = None) -> None:
         self.ctx = ctx
         self.reservation = reservation
         self.options = options
@@ -150,10 +150,9 @@ class Generation:
         self._first: tuple[int, RequestOutput] | None = None
 
     def start(self) -> None:
-        """Queue every prompt; on overload nothing stays queued (503 + ``Retry-After``)."""
+        """Queue every prompt into the places ``reserve`` took for the whole call (prompts x
+        ``n``); whatever fails, nothing of it stays queued and the places go back."""
         try:
-            # The whole call at once: prompts x n sequences, before any of them is queued.
-            self.ctx.engine.check_num_seqs(sum(p.n for p in self.params))
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
                 self.streams.append(self.ctx.engine.add_request(
                     f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time,
@@ -162,8 +161,7 @@ class Generation:
             self.abort()
             raise to_openai(e, self.param_names) from None
         finally:
-            if self.reservation is not None:
-                self.reservation.release()
+            self.reservation.release()
 
     def abort(self) -> None:
         """Abort every unfinished engine request of this call (idempotent)."""

@@ -62,7 +62,7 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
             req, check_prompt_len(ctx.engine, len(ids), req.max_tokens), req.logprobs)
             for ids in prompts]
         return Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
-                          req.options(), reservation=reservation)
+                          reservation, req.options())
     except BaseException:  # a 400 after admission, or the client gone: free the places
         reservation.release()
         raise
@@ -182,7 +182,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         params = build_sampling_params(req, mt, logprobs,
                                        {"logprobs": "top_logprobs", "max_tokens": max_param})
         return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
-                          req.options(), names, reservation=reservation)
+                          reservation, req.options(), names)
     except BaseException:  # a 400 after admission, or the client gone: free the places
         reservation.release()
         raise

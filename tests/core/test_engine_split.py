@@ -144,8 +144,8 @@ def test_n_sequences_share_one_group_and_one_output():
     outs = [o for _ in range(5) for o in engine.step()]
     assert [o.request_id for o in outs] == ["g"]
     assert [(c.index, c.token_ids) for c in outs[0].outputs] == [(i, [7, 7]) for i in range(3)]
+    engine.add_request("x", [3], SamplingParams())
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.add_request("x", [3], SamplingParams())
         engine.add_request("x", [3], SamplingParams())
 
 
