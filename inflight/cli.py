@@ -1,4 +1,4 @@
-"""``inflight serve | generate | bench``: the command line.
+"""``inflight serve | generate | bench | profile``: the command line.
 
 Engine flags are spelled as vLLM's (``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--block-size``, ...); see ``EngineConfig.add_cli_args``.
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_parser(sub)
     except ImportError:
         pass
+    from inflight.sim.measure import add_profile_parser
+    add_profile_parser(sub)
     return parser
 
 
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from inflight.bench.cli import run_bench
             return run_bench(args)
+        if args.command == "profile":
+            from inflight.sim.measure import run_profile
+            return run_profile(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"inflight: error: {e}", file=sys.stderr)
         return 2

@@ -148,6 +148,16 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-result", metavar="FILE.json", help="write the result as JSON")
     g.add_argument("--plot", metavar="FILE.png", help="write a plot")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+    g = p.add_argument_group("simulation (no server: docs/simulator.md)")
+    g.add_argument("--simulate", metavar="PROFILE.json",
+                   help="simulate the run on a step-time profile (`inflight profile`) instead of sending "
+                        "requests: the real scheduler on a virtual clock; engine settings from --serve-cmd, "
+                        "else the profile's")
+    g.add_argument("--replicas", type=_count(1), default=1, help="--simulate: engine replicas (default 1)")
+    g.add_argument("--router", default="prefix_affinity",
+                   help="--simulate with --replicas > 1: round_robin, least_load or prefix_affinity "
+                        "(inflight.routing; default %(default)s)")
     return p
 
 
@@ -184,8 +194,14 @@ def add_bench_parser(subparsers) -> None:
     bench.set_defaults(bench_command=None, _bench_parser=bench)
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,capacity,tune}")
 
-    sub.add_parser("serve", parents=[common], help="one run: latency percentiles, throughput, goodput",
-                   description="Send a request mix at one load and report latencies and throughput.")
+    serve = sub.add_parser("serve", parents=[common], help="one run: latency percentiles, throughput, goodput",
+                           description="Send a request mix at one load and report latencies and throughput.")
+    serve.add_argument("--serve-cmd", metavar="COMMAND", type=_command,
+                       help="start this server for the run and stop it after (with --simulate: the "
+                            "`inflight serve ...` command whose engine settings are simulated)")
+    serve.add_argument("--server-start-timeout", type=float, default=600.0, metavar="S")
+    serve.add_argument("--server-stop-timeout", type=float, default=15.0, metavar="S")
+    serve.add_argument("--server-log-dir", help="keep the server's output here (default: a temp file)")
 
     sweep = sub.add_parser("sweep", parents=[common], help="runs over request rates (and server knob values)",
                            description="One run per request rate (or trace time scale), optionally per "

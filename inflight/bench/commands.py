@@ -103,6 +103,13 @@ def offered_rate(offsets: list[float]) -> float | None:
 
 
 def _note_session(session: Session) -> None:
+    if session.simulation is not None:
+        sim = session.simulation
+        print(f"SIMULATED: {sim.profile.describe()}, {sim.replicas} replica(s)"
+              f"{f' behind {sim.router}' if sim.replicas > 1 else ''}; engine from "
+              f"{sim.command or 'the profile'}; {len(session.specs)} requests prepared in "
+              f"{session.prepare_seconds:.1f} s", file=sys.stderr)
+        return
     if session.tokenizer_mode == "approx-words":
         print("note: prompt lengths are approximate (whitespace words): the server has no /tokenize "
               "and no --tokenizer was given", file=sys.stderr)
@@ -129,9 +136,27 @@ def _safe(name) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in str(name))[:120] or "server"
 
 
+async def open_any_session(args, load: LoadConfig, dataset: DatasetConfig, stack: contextlib.AsyncExitStack,
+                           command: str | None) -> Session:
+    """The run's session: simulated with ``--simulate`` (engine settings from ``command``,
+    else the profile's), else over HTTP with a client that ``stack`` closes."""
+    if getattr(args, "simulate", None):
+        from inflight.sim.bench import open_sim_session, sim_setup
+        session = await open_sim_session(load, dataset, sim_setup(args.simulate, command, args.replicas, args.router))
+    else:
+        client = await stack.enter_async_context(make_client(timeout=load.request_timeout))
+        session = await open_session(load, dataset, client)
+    _note_session(session)
+    return session
+
+
+def _title(args, base: str) -> str:
+    return f"{base} (SIMULATED)" if getattr(args, "simulate", None) else base
+
+
 @contextlib.asynccontextmanager
 async def _maybe_server(args, value):
-    if not args.serve_cmd:
+    if not args.serve_cmd or getattr(args, "simulate", None):
         yield None
         return
     async with _server(args, args.serve_cmd.replace("{value}", str(value)), value or "server") as proc:
@@ -151,12 +176,18 @@ def _values(args) -> list:
 
 def serve_result(args, session: Session, point: PointResult, verdict: Verdict | None = None) -> dict:
     """The JSON document of one run: command, fixed conditions, aggregates, every request."""
-    return {**_header(args, "serve"), "fixed": session.fixed(), "arrival": point.arrival.describe(),
+    return {**_header(args, "serve"), "simulated": simulated(session), "fixed": session.fixed(),
+            "arrival": point.arrival.describe(),
             "offered_rate": offered_rate([r.scheduled_time for r in point.records if r.phase == "sample"]),
             "prepare_seconds": session.prepare_seconds, "summary": point.summary,
             "verdict": verdict.to_json() if verdict else None,
             "server_metrics": {"samples": point.metrics_samples, "counter_deltas": point.counters},
             "requests": records_json(point.records)}
+
+
+def simulated(session: Session) -> dict | None:
+    """The simulation's settings (profile, replicas, router, engine) or None for a real run."""
+    return session.simulation.describe() if session.simulation is not None else None
 
 
 def _verdict(point: PointResult, slo: SLO, args) -> Verdict | None:
@@ -175,11 +206,12 @@ def _print_verdict(v: Verdict, file=None) -> None:
 
 async def serve(args) -> int:
     load, dataset, arrival, slo = configs(args)
-    async with make_client(timeout=load.request_timeout) as client:
-        session = await open_session(load, dataset, client)
-        _note_session(session)
+    async with contextlib.AsyncExitStack() as stack:
+        if args.serve_cmd and not args.simulate:
+            await stack.enter_async_context(_server(args, args.serve_cmd))
+        session = await open_any_session(args, load, dataset, stack, args.serve_cmd)
         point = await run_point(session, arrival, slo)
-    print(format_summary(point.summary))
+    print(format_summary(point.summary, _title(args, "inflight bench serve")))
     verdict = _verdict(point, slo, args)
     if verdict is not None:
         _print_verdict(verdict)
@@ -187,7 +219,7 @@ async def serve(args) -> int:
         write_json(args.save_result, serve_result(args, session, point, verdict))
     if args.plot:
         plot_run(args.plot, point.records, point.metrics_samples,
-                 title=f"{session.model}: {dataset.name}, {arrival.process} rate {args.request_rate:g}")
+                 title=_title(args, f"{session.model}: {dataset.name}, {arrival.process} rate {args.request_rate:g}"))
     return 0 if point.summary["completed"] > 0 else 1
 
 
@@ -199,10 +231,9 @@ async def sweep(args) -> int:
         xs, key = args.request_rates or [base.rate], "rate"
     rows, points = [], []
     for value in _values(args):
-        async with _maybe_server(args, value):
-            async with make_client(timeout=load.request_timeout) as client:
-                session = await open_session(load, dataset, client)
-                _note_session(session)
+        command = args.serve_cmd.replace("{value}", str(value)) if args.serve_cmd else None
+        async with _maybe_server(args, value), contextlib.AsyncExitStack() as stack:
+                session = await open_any_session(args, load, dataset, stack, command)
                 for x in xs:
                     arrival = replace(base, **{key: x})
                     p = await run_point(session, arrival, slo)
@@ -219,10 +250,10 @@ async def sweep(args) -> int:
                     print(_row_line(row), file=sys.stderr)
                     if verdict is not None:
                         _print_verdict(verdict, sys.stderr)
-    _print_rows(rows)
+    _print_rows(rows, _title(args, "inflight bench sweep"))
     if args.save_result:
-        write_json(args.save_result, {**_header(args, "sweep"), "slo": slo.to_json(), "rows": rows,
-                                      "points": points})
+        write_json(args.save_result, {**_header(args, "sweep"), "simulated": bool(args.simulate),
+                                      "slo": slo.to_json(), "rows": rows, "points": points})
     if args.save_csv:
         write_csv(args.save_csv, rows)
     if args.plot:
@@ -243,8 +274,8 @@ def _row_line(row: dict) -> str:
             f"p95 ITL={ms(row['itl_p95'])} ms")
 
 
-def _print_rows(rows: list[dict]) -> None:
-    print("=" * 20 + " inflight bench sweep " + "=" * 20)
+def _print_rows(rows: list[dict], title: str = "inflight bench sweep") -> None:
+    print("=" * 20 + f" {title} " + "=" * 20)
     for r in rows:
         print(_row_line(r))
 
@@ -275,12 +306,9 @@ def connector(args, load: LoadConfig, dataset: DatasetConfig, stack: contextlib.
     """A ``connect()`` for ``limit.find_limit``: start the server (``command``, if any) and
     open the session on first use; ``stack`` closes both."""
     async def connect() -> Session:
-        if command is not None:
+        if command is not None and not getattr(args, "simulate", None):
             await stack.enter_async_context(_server(args, command, value))
-        client = await stack.enter_async_context(make_client(timeout=load.request_timeout))
-        session = await open_session(load, dataset, client)
-        _note_session(session)
-        return session
+        return await open_any_session(args, load, dataset, stack, command)
     return connect
 
 
@@ -298,8 +326,8 @@ async def capacity(args) -> int:
                                    label=value)
             res.command = command
         results.append(res)
-        print(limit_line(res, space.by_scale))
-    doc = {**_header(args, "capacity"), "machine": {"start": machine_start, "end": describe_machine()},
+        print(("SIMULATED " if args.simulate else "") + limit_line(res, space.by_scale))
+    doc = {**_header(args, "capacity"), "simulated": bool(args.simulate), "machine": {"start": machine_start, "end": describe_machine()},
            "slo": slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
            "arrival": base.describe(), "thresholds": th.__dict__.copy(), "preemption_threshold": th.preemption_threshold,
            "results": [r.to_json() for r in results]}

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import httpx
 
@@ -80,6 +80,9 @@ class ArrivalConfig:
 
 @dataclass
 class Session:
+    """What stays fixed across a run's points. ``simulation``: a ``sim.bench.SimSetup``
+    when the points are simulated (``--simulate``; ``client`` is then None)."""
+
     client: httpx.AsyncClient
     load: LoadConfig
     dataset: DatasetConfig
@@ -93,6 +96,7 @@ class Session:
     prepare_seconds: float
     counter: TokenCounter | None = None
     warmed_up: bool = False
+    simulation: Any = None
 
     async def ensure_specs(self, n: int) -> int:
         """Extend the mix to at least ``n`` requests (new ones continue the dataset's
@@ -117,6 +121,7 @@ class Session:
         """What must stay the same for two results to be compared fairly."""
         return {
             "model": self.model,
+            "simulated": self.simulation is not None,
             "endpoint": self.endpoint,
             "server_models": self.server_models,
             "server_info": self.server_info,
@@ -249,7 +254,7 @@ async def wait_idle(session: Session, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.2)
 
 
-def _mark_cancelled(record: RequestRecord, now: float) -> None:
+def mark_cancelled(record: RequestRecord, now: float) -> None:
     record.end_time, record.success = now, False
     record.unfinished = record.phase == "sample"
     record.cancelled = not record.unfinished
@@ -264,7 +269,7 @@ def _settle(task: asyncio.Task, record: RequestRecord, now: float) -> None:
     (``now``), whether or not it had started (a cool-down request created just as the point
     ends never runs a line), or ended by an unexpected exception."""
     if task.cancelled():
-        _mark_cancelled(record, now)
+        mark_cancelled(record, now)
     elif task.exception() is not None and record.error is None:
         e = task.exception()
         record.success, record.end_time = False, record.end_time or now
@@ -281,7 +286,11 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
     sample request has ended; then the cool-down requests still running are cancelled
     (``cancelled``: the client disconnects, so the server aborts them). Sample requests
     still running at the window's deadline are cancelled too and marked ``unfinished``.
+    A simulated session (``--simulate``) replays the same schedule on the simulator.
     """
+    if session.simulation is not None:
+        from inflight.sim.bench import simulate_point
+        return await simulate_point(session, arrival, slo)
     await warm_up(session)
     await wait_idle(session)
     if session.load.reset_prefix_cache:

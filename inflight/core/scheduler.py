@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from inflight.core.kv_cache import KVCacheManager
@@ -70,6 +71,8 @@ class Scheduler:
         kv_cache: the block manager requests are admitted against.
         max_model_len: the model's context length, used when ``config.max_model_len`` is
             None; None: the pool's size.
+        clock: seconds, the clock of arrival times and every stamp (``time.monotonic``;
+            the simulator passes its virtual clock).
 
     Attributes:
         max_model_len: longest sequence, prompt plus output tokens.
@@ -80,8 +83,10 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
         self.kv_cache = kv_cache
         pool_tokens = kv_cache.num_blocks * kv_cache.block_size
         self.max_model_len: int = config.max_model_len or max_model_len or pool_tokens
@@ -153,7 +158,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request)
         request.status = status
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
 
     def stop_request(self, request: Request, stop_reason: str) -> None:
         """A stop string matched (the output processor's check): end ``request`` as
@@ -183,9 +188,9 @@ class Scheduler:
         """Plan one step; reserves KV slots and advances ``num_computed_tokens``.
 
         Args:
-            now: the clock for the dynamic policy's queue delay (``time.monotonic()``).
+            now: the clock for the dynamic policy's queue delay; ``clock()`` when None.
         """
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         self.kv_cache.begin_step()
         out = SchedulerOutput()
         budget = self.policy.step_budget(self.running, self.config.max_num_batched_tokens)
@@ -202,13 +207,13 @@ class Scheduler:
         Args:
             out: the step's plan, as ``schedule`` returned it.
             sampled: the runner's tokens, one per row of ``out`` that samples.
-            now: when the tokens exist (``time.monotonic()``): TTFT and ITL stamps.
+            now: when the tokens exist (``clock()`` when None): TTFT and ITL stamps.
 
         Returns:
             The requests that got a token, in ``sampled`` order; those that stopped are
             finished (status set, blocks freed, ``stop_reason`` the stop token id).
         """
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         self.num_prompt_tokens += sum(
             max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
                        s.request.num_prompt_tokens) - s.num_computed_tokens)

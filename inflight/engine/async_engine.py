@@ -83,6 +83,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None
+        # Times the loop waited (idle, or after a step that did nothing): a step log keeps
+        # only steps that followed one another directly.
+        self.num_waits = 0
 
     # --- passthroughs the HTTP layer needs (read-only after construction) ---------------
     @property
@@ -290,6 +293,7 @@ class AsyncEngine:
                     self._publish_stats([], did_step=False)
                     if self._stopping:
                         break
+                    self.num_waits += 1
                     self._wake.wait()
                     continue
                 steps_before = self._stats.num_steps
@@ -299,12 +303,14 @@ class AsyncEngine:
                     failures += 1
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    self.num_waits += 1
                     self._wake.wait(_FAILURE_BACKOFF_S * min(failures, 10))
                     continue
                 failures = 0
                 self._deliver(outputs)
                 self._publish_stats(outputs, did_step=True)
                 if not outputs and self._stats.num_steps == steps_before:
+                    self.num_waits += 1
                     self._wake.wait(_IDLE_POLL_S)
         except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
             self._dead = f"engine loop crashed: {type(e).__name__}: {e}"

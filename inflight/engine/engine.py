@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.core.kv_cache import KVCacheManager
-from inflight.core.output import Runner
+from inflight.core.output import Runner, SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.engine.inputs import tokenize_prompt
 from inflight.engine.output_processor import OutputProcessor
@@ -41,12 +41,16 @@ class Engine:
         num_blocks: KV pool size when ``runner`` is given.
         max_model_len: context length when ``runner`` is given.
         eos_token_ids: end-of-sequence ids when ``runner`` is given.
+        clock: seconds; arrival times, token stamps and the step-time model read it
+            (``time.monotonic``; the simulator's runner advances a virtual one).
     """
 
     def __init__(self, config: EngineConfig | None = None, *, runner: Runner | None = None,
                  tokenizer: Any = None, num_blocks: int | None = None,
-                 max_model_len: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
+                 max_model_len: int | None = None, eos_token_ids: Iterable[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config = config or EngineConfig()
+        self.clock = clock
         if runner is None:
             from inflight.engine import loading
 
@@ -60,9 +64,10 @@ class Engine:
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size,
                                        config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache, max_model_len)
+        self.scheduler = Scheduler(config, self.kv_cache, max_model_len, clock)
         self.output_processor = OutputProcessor(tokenizer)
         self._num_steps = 0
+        self.last_plan: SchedulerOutput | None = None  # the last non-empty step's plan (step logs)
         # Per-request runner state to forget when a request ends (the sampler's generators);
         # fakes may have none.
         self._runner_release = getattr(runner, "release", None)
@@ -97,7 +102,7 @@ class Engine:
             sampling_params: defaults to ``SamplingParams()``.
             stream: emit an output every step with only the new text/tokens (deltas);
                 otherwise one cumulative output when the request finishes.
-            arrival_time: ``time.monotonic()`` seconds; now when None.
+            arrival_time: seconds on ``clock``; now when None.
             options: priority and latency targets (``RequestOptions``).
 
         Raises:
@@ -108,7 +113,7 @@ class Engine:
         params = sampling_params or SamplingParams()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
         self.check_prompt_fits(len(ids))
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        arrival = self.clock() if arrival_time is None else arrival_time
         for req in self.output_processor.add_request(
                 request_id, text, ids, params, stream=stream, arrival_time=arrival,
                 eos_token_ids=self.eos_token_ids, options=options or _NO_OPTIONS):
@@ -164,7 +169,8 @@ class Engine:
                                                         shed_reason=req.shed_reason))
         if not out.is_empty:
             self._num_steps += 1
-            t0 = time.perf_counter()
+            self.last_plan = out
+            t0 = self.clock()
             try:
                 sampled = self.runner.execute(out)
             except Exception as e:  # one bad step must not kill the loop: fail its requests
@@ -174,7 +180,7 @@ class Engine:
                     self._abort(self.output_processor.end_group(
                         s.request.request_id, error=f"{type(e).__name__}: {e}"))
             else:
-                self.scheduler.step_model.observe(out.num_batched_tokens, time.perf_counter() - t0)
+                self.scheduler.step_model.observe(out.num_batched_tokens, self.clock() - t0)
                 with timer.section("output"):
                     updated = self.scheduler.update(out, sampled)
                     processed = self.output_processor.process(updated)

@@ -23,8 +23,10 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -294,6 +296,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "they are aborted (default %(default)s)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="log every HTTP request")
+    p.add_argument("--step-log", metavar="FILE.jsonl",
+                   help="write every engine step's shape and time here, to fit a simulator profile "
+                        "from real serving (`inflight profile --from-step-log`)")
     EngineConfig.add_cli_args(p)
     return p
 
@@ -346,6 +351,30 @@ class _Server(uvicorn.Server):
             handle.cancel()
 
 
+def build_engine_off_main_thread(build: Callable[[], Any]) -> Any:
+    """``build()`` run on a short-lived thread, its result returned (its exception raised).
+
+    Loading the model runs PyTorch's first parallel ops, and libgomp keeps the thread team
+    of the thread that ran them for the life of that thread. Built on the main thread (the
+    event loop's, alive for ever), that team stayed, and every step on the engine thread
+    then ran 3-4x slower on this 2-core machine (8 decode rows: 55-60 ms offline, 175-260 ms
+    on the engine thread; docs/simulator.md). A helper thread takes its team with it.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["engine"] = build()
+        except BaseException as e:  # re-raised on the caller's thread
+            box["error"] = e
+    t = threading.Thread(target=run, name="inflight-load")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["engine"]
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """``inflight serve``: load the engine, serve until SIGINT/SIGTERM, exit 0.
 
@@ -361,8 +390,13 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [default_model_name(config.model)]
     sock = _bind_socket(args.host, args.port)
-    engine = AsyncEngine(Engine(config), max_num_waiting=args.max_num_waiting,
-                         log_interval_s=args.stats_log_interval)
+    engine = AsyncEngine(build_engine_off_main_thread(lambda: Engine(config)),
+                         max_num_waiting=args.max_num_waiting, log_interval_s=args.stats_log_interval)
+    step_log = None
+    if args.step_log:
+        from inflight.sim.steplog import StepLog
+        step_log = StepLog(args.step_log, engine, args.max_num_waiting)
+        engine.listeners.append(step_log)
     app = build_app(engine, model_names=names, api_key=api_key,
                     max_body_bytes=args.max_request_body_bytes, stats_window_s=args.stats_window)
     log_level = getattr(args, "log_level", "info").lower()
@@ -382,4 +416,6 @@ def run_serve(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         engine.shutdown()
+        if step_log is not None:
+            step_log.close()
     return 0 if server.started else 1

@@ -1,0 +1,141 @@
+"""Routing requests across engine replicas: which replica serves a request. Torch-free.
+
+Policies (``make_router``):
+
+- ``round_robin``: replicas in turn.
+- ``least_load``: the replica with the fewest waiting + running sequences, then the lowest
+  KV usage, then the lowest index (deterministic, so a simulation repeats).
+- ``prefix_affinity``: the replica most likely to hold the prompt's prefix in its prefix
+  cache, unless its load exceeds the least-loaded replica's by more than ``threshold``
+  sequences, then least load. Prefixes are the chained hashes of the prompt's full KV
+  blocks (``core.kv_cache.hash_block``, exactly what an engine's cache reuses); the router
+  remembers, per replica, the block hashes it sent there (bounded, oldest forgotten first),
+  as SGLang's cache-aware router keeps an approximate tree per worker and Ray Serve LLM's
+  ``PrefixCacheAffinityRouter`` falls back to load past an imbalance threshold.
+
+A replica's load is what it last reported (:class:`ReplicaLoad`), as a router sees it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from inflight.core.kv_cache import hash_block
+
+ROUTERS = ("round_robin", "least_load", "prefix_affinity")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One replica's reported state. Counts in sequences; ``kv_cache_usage`` in [0, 1]."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+class Router(Protocol):
+    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+        """The index of the replica (into ``loads``) to send the request to."""
+        ...
+
+
+class RoundRobinRouter:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+        i = self._next % len(loads)
+        self._next = i + 1
+        return i
+
+
+def least_loaded(loads: Sequence[ReplicaLoad]) -> int:
+    return min(range(len(loads)), key=lambda i: (loads[i].num_requests, loads[i].kv_cache_usage, i))
+
+
+class LeastLoadRouter:
+    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+        return least_loaded(loads)
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
+    """Chained hashes of the full ``block_size``-token blocks of ``token_ids`` (the prefix
+    cache's keys), the first ``max_blocks`` of them."""
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    hashes: list[bytes] = []
+    for b in range(n):
+        hashes.append(hash_block(hashes[-1] if hashes else b"", list(token_ids[b * block_size:(b + 1) * block_size])))
+    return hashes
+
+
+class PrefixAffinityRouter:
+    """Args:
+        block_size: the engines' KV block size (tokens).
+        threshold: sequences of extra load the prefix's replica may carry over the least
+            loaded one before load wins.
+        max_blocks: prompt blocks hashed per request (the prefix that matters).
+        capacity: block hashes remembered per replica.
+
+    Attributes:
+        hits, overrides: requests sent to a replica holding part of their prefix; requests
+            whose prefix replica was passed over for load.
+    """
+
+    def __init__(self, block_size: int, threshold: int = 8, max_blocks: int = 64,
+                 capacity: int = 100_000) -> None:
+        self.block_size, self.threshold = block_size, threshold
+        self.max_blocks, self.capacity = max_blocks, capacity
+        self._seen: list[OrderedDict[bytes, None]] = []
+        self.hits = self.overrides = 0
+
+    def _matched(self, replica: int, hashes: list[bytes]) -> int:
+        seen = self._seen[replica]
+        n = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            n += 1
+        return n
+
+    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+        while len(self._seen) < len(loads):
+            self._seen.append(OrderedDict())
+        hashes = prefix_block_hashes(prompt_token_ids, self.block_size, self.max_blocks)
+        lightest = least_loaded(loads)
+        matched = [self._matched(i, hashes) for i in range(len(loads))]
+        best = max(range(len(loads)), key=lambda i: (matched[i], -loads[i].num_requests, -i))
+        choice = lightest
+        if matched[best] > 0:
+            if loads[best].num_requests - loads[lightest].num_requests <= self.threshold:
+                choice = best
+                self.hits += 1
+            else:
+                self.overrides += 1
+        seen = self._seen[choice]
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+        return choice
+
+
+def make_router(name: str, block_size: int = 16, threshold: int = 8) -> Router:
+    """A router by policy name (``ROUTERS``). ValueError for an unknown name."""
+    if name == "round_robin":
+        return RoundRobinRouter()
+    if name == "least_load":
+        return LeastLoadRouter()
+    if name == "prefix_affinity":
+        return PrefixAffinityRouter(block_size, threshold)
+    raise ValueError(f"router: unknown policy {name!r} (choose from {', '.join(ROUTERS)})")

@@ -1,0 +1,222 @@
+"""``inflight bench ... --simulate PROFILE.json``: the same runs without a server.
+
+A simulated session has the real one's request mix (built with the model's own tokenizer,
+so prompt lengths and prefix blocks are exact), and ``simulate_point`` replays a point's
+schedule (``bench.schedule.plan_point``: warm-up, window, cool-down) through the
+:class:`~inflight.sim.cluster.Simulator` and returns the same ``PointResult`` a measured
+point has: request records with streamed-chunk times, the summary, scraped gauges and
+counter deltas. The verdicts, capacity search, ``tune`` and reports then run unchanged.
+
+The engine settings come from the server command (``--serve-cmd``, so ``tune``'s knobs
+apply) parsed by ``inflight serve``'s own parser, else from the profile.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from inflight.bench.client import RequestRecord
+from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset
+from inflight.bench.metrics_scrape import Snapshot
+from inflight.bench.runner import ArrivalConfig, LoadConfig, PointResult, Session, mark_cancelled
+from inflight.bench.schedule import plan_point
+from inflight.bench.stats import SLO, summarize
+from inflight.config import EngineConfig
+from inflight.routing import ROUTERS, make_router
+from inflight.sim.cluster import SimRequest, Simulator
+from inflight.sim.profile import StepProfile, load_profile
+
+
+def parse_serve_command(command: str) -> tuple[EngineConfig, dict[str, Any]]:
+    """The engine settings and server flags of an ``inflight serve ...`` command line,
+    parsed by the server's own parser. ValueError when it is not one."""
+    from inflight.cli import build_parser
+
+    tokens = shlex.split(command)
+    if "serve" not in tokens:
+        raise ValueError(f"--simulate reads engine settings from an `inflight serve ...` command; "
+                         f"{command!r} is not one")
+    rest = tokens[tokens.index("serve") + 1:]
+    try:
+        args = build_parser().parse_args(["serve", *rest])
+    except SystemExit:
+        raise ValueError(f"--serve-cmd: `inflight serve` does not accept {shlex.join(rest)!r}") from None
+    return EngineConfig.from_cli_args(args), {"max_num_waiting": args.max_num_waiting,
+                                              "served_model_name": getattr(args, "served_model_name", None)}
+
+
+class _Counter:
+    """A bench ``TokenCounter`` over the model's tokenizer (exact, as the server counts)."""
+
+    mode = "simulated (model tokenizer)"
+    exact = True
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    async def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+
+@dataclass
+class SimSetup:
+    """What a simulated session runs: the profile, the engine settings, the replicas."""
+
+    profile: StepProfile
+    config: EngineConfig
+    max_num_waiting: int | None
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    replicas: int
+    router: str
+    tokenizer: Any
+    model_name: str
+    command: str | None
+    noise: bool = True
+
+    def simulator(self, load: LoadConfig, seed: int = 0) -> Simulator:
+        return Simulator(self.config, self.profile, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+                         eos_token_ids=self.eos_token_ids, replicas=self.replicas,
+                         router=make_router(self.router, self.config.block_size),
+                         max_num_waiting=self.max_num_waiting, max_concurrency=load.max_concurrency,
+                         metrics_interval=load.metrics_interval, noise=self.noise, seed=seed)
+
+    def prompt_ids(self, spec: RequestSpec, endpoint: str) -> list[int]:
+        """The token ids the server would queue for ``spec`` (its template and tokenizer)."""
+        tok = self.tokenizer
+        if endpoint == "chat":
+            text = tok.apply_chat_template(spec.as_messages(), add_generation_prompt=True)
+            return list(tok.encode(text, add_special_tokens=False))
+        return list(tok.encode(spec.as_text()))
+
+    def describe(self) -> dict:
+        c = self.config
+        return {"simulated": True, "profile": self.profile.describe(), "profile_source": self.profile.source,
+                "machine": self.profile.machine, "replicas": self.replicas, "router": self.router,
+                "command": self.command, "num_kv_blocks": self.num_blocks, "max_model_len": self.max_model_len,
+                "engine": {"max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
+                           "enable_chunked_prefill": c.enable_chunked_prefill,
+                           "enable_prefix_caching": c.enable_prefix_caching, "block_size": c.block_size,
+                           "batching_policy": c.batching_policy, "scheduling_policy": c.scheduling_policy,
+                           "max_num_waiting": self.max_num_waiting}}
+
+
+def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router: str = "prefix_affinity",
+              ) -> SimSetup:
+    """Load the profile and resolve the engine settings (``command``'s, else the profile's).
+
+    Raises:
+        ValueError: a bad profile, command, replica count or router.
+        FileNotFoundError: no profile, or the profile's model file is gone.
+    """
+    from inflight.tokenizer import Tokenizer
+
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    if router not in ROUTERS:
+        raise ValueError(f"--router: unknown policy {router!r} (choose from {', '.join(ROUTERS)})")
+    profile = load_profile(profile_path)
+    eng = profile.engine
+    extra: dict[str, Any] = {"max_num_waiting": eng.get("max_num_waiting", 512), "served_model_name": None}
+    if command:
+        config, extra = parse_serve_command(command)
+    else:
+        known = {k: v for k, v in eng.get("config", {}).items() if k in EngineConfig.__dataclass_fields__}
+        config = EngineConfig(**known)
+    dtype = eng.get("dtype")
+    if command and config.dtype not in ("auto", dtype):
+        print(f"warning: the profile was measured in {dtype}, the command asks for {config.dtype}: "
+              f"step times are the profile's", file=sys.stderr)
+    if config.block_size != eng.get("block_size", config.block_size):
+        raise ValueError(f"the profile was measured with --block-size {eng['block_size']}, the command "
+                         f"sets {config.block_size}: profile that block size")
+    block_bytes = eng.get("kv_block_bytes")
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_bytes is not None and block_bytes:
+        num_blocks = config.kv_cache_memory_bytes // block_bytes
+    else:
+        num_blocks = int(eng["num_kv_blocks"])
+    model_len = eng.get("max_model_len") or profile.model.get("max_position_embeddings") or num_blocks * config.block_size
+    max_model_len = config.max_model_len or int(profile.model.get("max_position_embeddings") or model_len)
+    path = eng.get("model_path")
+    if not path:
+        raise ValueError("the profile names no model file (model_path): its tokenizer builds the prompts")
+    tokenizer = Tokenizer.from_pretrained(path) if _is_dir(path) else Tokenizer.from_gguf(path)
+    name = extra.get("served_model_name") or profile.model.get("name") or "simulated"
+    if isinstance(name, list):
+        name = name[0]
+    return SimSetup(profile, config, extra.get("max_num_waiting"), num_blocks, max_model_len,
+                    list(eng.get("eos_token_ids") or tokenizer.eos_token_ids), replicas, router, tokenizer,
+                    str(name), command)
+
+
+def _is_dir(path: str) -> bool:
+    import pathlib
+    return pathlib.Path(path).is_dir()
+
+
+async def open_sim_session(load: LoadConfig, dataset: DatasetConfig, setup: SimSetup) -> Session:
+    """A :class:`Session` whose points are simulated (``Session.simulation``)."""
+    t = time.perf_counter()
+    counter = _Counter(setup.tokenizer)
+    endpoint = load.endpoint or ("chat" if dataset.name == "chat" else "completions")
+    specs = await build_dataset(dataset, counter, dataset.num_prompts + load.num_warmups)
+    session = Session(client=None, load=load, dataset=dataset, model=load.model or setup.model_name,  # type: ignore[arg-type]
+                      endpoint=endpoint, tokenizer_mode=counter.mode, specs=specs[load.num_warmups:],
+                      warmups=specs[:load.num_warmups], server_models=[], server_info={"simulation": setup.describe()},
+                      prepare_seconds=time.perf_counter() - t, counter=counter, simulation=setup)
+    return session
+
+
+async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None) -> PointResult:
+    """``run_point`` on the simulator: the point's schedule, simulated; the same result."""
+    setup: SimSetup = session.simulation
+    slots, window = await plan_point(session, arrival)
+    ids_cache: dict[int, list[int]] = session.__dict__.setdefault("_sim_prompt_ids", {})
+
+    def ids(spec: RequestSpec) -> list[int]:
+        key = id(spec)
+        if key not in ids_cache:
+            ids_cache[key] = setup.prompt_ids(spec, session.endpoint)
+        return ids_cache[key]
+
+    reqs = [SimRequest(i, s.offset, ids(s.spec), s.spec.output_len, s.spec.output_len, s.spec.ignore_eos,
+                       watched=window is not None and s.phase == "sample",
+                       not_after_done=s.phase == "cooldown")
+            for i, s in enumerate(slots)]
+    t0 = time.perf_counter()
+    run = setup.simulator(session.load, arrival.seed).run(reqs, until=None if window is None else window.deadline)
+    wall = time.perf_counter() - t0
+    records = []
+    for slot, o in zip(slots, run.outcomes):
+        if not o.sent and slot.phase == "cooldown":
+            continue  # never sent: the sample had ended
+        r = RequestRecord(o.index, slot.offset, warmup=slot.phase != "sample", phase=slot.phase)
+        r.prompt_len, r.output_len = slot.spec.prompt_len, slot.spec.output_len
+        r.send_time = o.send_time
+        if o.end_time is None:
+            r.chunk_times = list(o.token_times)
+            mark_cancelled(r, run.end_time)
+        else:
+            r.chunk_times, r.end_time = list(o.token_times), o.end_time
+            r.status, r.error = o.status, o.error
+            r.success = o.status == 200 and o.finish_reason in ("stop", "length")
+            r.finish_reason = o.finish_reason
+            r.prompt_tokens, r.output_tokens = o.prompt_tokens, o.output_tokens
+            r.output_tokens_from_usage = True
+        records.append(r)
+    summary = summarize(records, slo)
+    before = Snapshot({k: 0.0 for k in run.counters})
+    after = Snapshot(dict(run.counters))
+    result = PointResult(arrival, records, summary, run.samples, before, after, time.time(), window)
+    summary["preemptions"] = result.preemptions
+    summary["server_counters"] = result.counters
+    summary["simulation"] = {"wall_seconds": wall, "simulated_seconds": run.end_time, "replicas": run.replicas,
+                             "router": {"policy": setup.router, **run.router}}
+    return result

@@ -1,0 +1,79 @@
+"""Step logs: a serving engine's steps as they ran, to fit a profile from real serving.
+
+``inflight serve --step-log FILE.jsonl`` writes a header line (engine settings and model
+shapes, as ``inflight profile`` saves them) and then, after every step, the step's shape
+(:class:`~inflight.sim.profile.StepShape`), the time it was published and how often the
+engine loop had waited so far. ``inflight profile --from-step-log FILE.jsonl`` fits a
+profile from them: a step's duration is the time from the previous step's publication to
+its own, kept only where the loop did not wait in between, so it is the whole iteration of
+the engine thread under serving conditions (command drain, step, delivery to the event
+loop, metrics), with the HTTP server and its clients on the same cores. An offline
+``inflight profile`` misses that cost; docs/simulator.md measures how much it is.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from inflight.sim.profile import StepShape
+
+STEP_LOG_KIND = "inflight-step-log"
+
+
+class StepLog:
+    """A step listener for ``AsyncEngine`` (``listener(stats, outputs, now)``) that writes
+    the step log. ``close()`` flushes it."""
+
+    def __init__(self, path: str | pathlib.Path, async_engine: Any, max_num_waiting: int | None,
+                 header: dict[str, Any] | None = None) -> None:
+        if header is None:  # a model engine: its settings and shapes, as profiles save them
+            from inflight.sim.measure import engine_header
+            header = engine_header(async_engine.engine, max_num_waiting)
+        self._engine = async_engine
+        self._file: TextIO = open(path, "w", buffering=1 << 16)
+        self._file.write(json.dumps({"kind": STEP_LOG_KIND, **header}) + "\n")
+        self._last_plan: Any = None
+
+    def __call__(self, stats: Any, outputs: Any, now: float) -> None:
+        plan = self._engine.engine.last_plan
+        if plan is None or plan is self._last_plan:
+            return  # this iteration ran no step
+        self._last_plan = plan
+        s = StepShape.of(plan.scheduled)
+        self._file.write(f"[{now:.6f},{self._engine.num_waits},{s.tokens},{s.rows},{s.samples},"
+                         f"{s.prefill_tokens},{s.decode_context},{s.prefill_pairs}]\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_step_logs(paths: Sequence[str | pathlib.Path], max_gap_s: float = 60.0,
+                   ) -> tuple[dict[str, Any], list[StepShape], list[float]]:
+    """``(header, shapes, seconds)`` of the back-to-back steps of one or more step logs
+    (the first file's header). ValueError for a file that is not a step log."""
+    header: dict[str, Any] | None = None
+    shapes: list[StepShape] = []
+    seconds: list[float] = []
+    for path in paths:
+        with open(path) as f:
+            first = json.loads(f.readline() or "{}")
+            if first.get("kind") != STEP_LOG_KIND:
+                raise ValueError(f"{path}: not an inflight step log (inflight serve --step-log)")
+            header = header or first
+            prev: list[float] | None = None
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    break  # a server killed mid-line
+                if prev is not None and row[1] == prev[1] and 0 < row[0] - prev[0] < max_gap_s:
+                    shapes.append(StepShape(*(int(v) for v in row[2:8])))
+                    seconds.append(row[0] - prev[0])
+                prev = row
+    if header is None:
+        raise ValueError("no step log given")
+    header.pop("kind", None)
+    return header, shapes, seconds
