@@ -316,6 +316,10 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
     slo = doc.get("slo") or {}
     lines = ["# Operating limit report", "",
              f"Made by `{doc.get('command')}` ({doc.get('started_at')}).", ""]
+    if doc.get("simulated") or fixed.get("simulated"):
+        sim = (fixed.get("server_info") or {}).get("simulation") or {}
+        lines += [f"**SIMULATED**: no server ran; {sim.get('profile', 'a step-time profile')}, "
+                  f"{sim.get('replicas', 1)} replica(s) (docs/simulator.md).", ""]
     lines += ["## Result", ""]
     if best is not None and best["spread"]["mean"] is not None:
         sp = best["spread"]

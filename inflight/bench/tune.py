@@ -250,7 +250,7 @@ async def tune(args) -> int:
         for line in steps[-1]["why"]:
             print(f"    {line}", file=sys.stderr)
     final = await limit_of(current, "recommended", hold=True)
-    doc = {**_header(args, "tune"), "slo": slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
+    doc = {**_header(args, "tune"), "simulated": bool(getattr(args, "simulate", None)), "slo": slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
            "arrival": base.describe(), "thresholds": th.__dict__.copy(), "base_command": args.serve_cmd,
            "knobs": steps, "recommended": {"command": shlex.join(current), **final.to_json()},
            "machine": {"start": machine_start, "end": describe_machine()}}

@@ -211,6 +211,11 @@ async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | No
             r.prompt_tokens, r.output_tokens = o.prompt_tokens, o.output_tokens
             r.output_tokens_from_usage = True
         records.append(r)
+    steps = sum(r["steps"] for r in run.replicas)
+    beyond = sum(r["extrapolated_steps"] for r in run.replicas)
+    if beyond:
+        print(f"warning: {beyond} of {steps} simulated steps were larger than any the profile measured; "
+              f"their cost is extrapolated (profile the shapes you simulate: docs/simulator.md)", file=sys.stderr)
     summary = summarize(records, slo)
     before = Snapshot({k: 0.0 for k in run.counters})
     after = Snapshot(dict(run.counters))

@@ -69,6 +69,8 @@ class SimRunner:
         self.error: Exception | None = None
         self.num_steps = 0
         self.busy_s = 0.0
+        self.num_extrapolated = 0  # steps larger than any the profile measured
+        self._in_range = getattr(profile.cost, "in_range", None)
 
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         shape = StepShape.of(out.scheduled)
@@ -79,6 +81,8 @@ class SimRunner:
             raise
         self.clock.now += seconds
         self.num_steps += 1
+        if self._in_range is not None and not self._in_range(shape):
+            self.num_extrapolated += 1
         self.busy_s += seconds
         results = []
         for s in out.scheduled:
@@ -350,6 +354,7 @@ class Simulator:
     def _replica_stats(r: SimReplica) -> dict[str, Any]:
         s = r.engine.get_stats()
         return {"replica": r.index, "steps": r.runner.num_steps, "busy_s": r.runner.busy_s,
+                "extrapolated_steps": r.runner.num_extrapolated,
                 "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "generation_tokens": s.generation_tokens}
 

@@ -232,6 +232,14 @@ class FittedCostModel:
     def predict(self, shape: StepShape) -> float:
         return max(self._fit(shape).predict(shape), 0.0)
 
+    def in_range(self, shape: StepShape) -> bool:
+        """Whether ``shape`` is within the measured sizes (rows for decode steps, tokens for
+        mixed ones); past them the cost is extrapolated from the last two knots."""
+        fit = self.fits.get(shape.kind)
+        if fit is None:
+            return False
+        return (shape.rows if fit.kind == "decode" else shape.tokens) <= fit.knots[-1]
+
     def sample(self, shape: StepShape, rng: np.random.Generator) -> float:
         fit = self._fit(shape)
         base = max(fit.predict(shape), 0.0)

@@ -44,6 +44,8 @@ def test_fit_recovers_a_piecewise_linear_step_time():
     for s in (StepShape(12, 12, 12, 0, 12 * 500, 0), StepShape(700, 5, 5, 696, 256, 696 * 697 // 2)):
         assert cost.predict(s) == pytest.approx(_truth(s), rel=0.05)
     assert cost.fits["decode"].error["in_sample_max_abs_pct"] < 2
+    assert cost.in_range(StepShape(64, 64, 64, 0, 64, 0)) and not cost.in_range(StepShape(65, 65, 65, 0, 65, 0))
+    assert cost.in_range(StepShape(2048, 1, 1, 2048, 0, 0)) and not cost.in_range(StepShape(2049, 1, 1, 2049, 0, 0))
 
 
 def test_fit_ignores_a_busy_machines_outliers():

@@ -65,10 +65,11 @@ def test_capacity_simulated_is_repeatable_and_bounded(profile_path, tmp_path):
         out = tmp_path / f"{name}.json"
         rc = main(["bench", "capacity", "--simulate", str(profile_path), *COMMON, "--num-prompts", "60",
                    "--duration", "30", "--hold-duration", "60", "--slo", "ttft_p95=1,itl_p95=0.2",
-                   "--rate-start", "2", "--save-result", str(out),
+                   "--rate-start", "2", "--save-result", str(out), "--report", str(tmp_path / name),
                    "--serve-cmd", "inflight serve --port 8000 --max-num-seqs 8"])
         doc = json.loads(out.read_text())
         assert doc["simulated"] is True
+        assert "**SIMULATED**" in (tmp_path / name / "report.md").read_text()
         return rc, doc["results"][0]
     rc, res = limit("a")
     assert rc == 0 and res["held"] and res["limits"][0] is not None
