@@ -45,6 +45,10 @@ def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
                       reset_prefix_cache=reset,
                       metrics_interval=args.metrics_interval, tokenize=args.tokenize,
                       tokenizer=args.tokenizer, progress=not args.disable_tqdm)
+    if not getattr(args, "simulate", None) and (getattr(args, "replicas", 1) != 1
+                                                or getattr(args, "router", "prefix_affinity") != "prefix_affinity"):
+        raise ValueError("--replicas and --router simulate replicas: they need --simulate PROFILE.json "
+                         "(a real run measures the server at --base-url as it is)")
     if args.shuffle and args.arrival == "trace":
         raise ValueError("--shuffle would scramble the trace's arrival times; it needs a rate (--arrival poisson ...)")
     shuffle = args.shuffle if args.shuffle is not None else (args.dataset == "trace" and args.arrival != "trace")

@@ -13,6 +13,9 @@ apply) parsed by ``inflight serve``'s own parser, else from the profile.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import shlex
 import sys
 import time
@@ -31,20 +34,29 @@ from inflight.sim.cluster import SimRequest, Simulator
 from inflight.sim.profile import StepProfile, load_profile
 
 
+MAX_REPLICAS = 1024
+
+
 def parse_serve_command(command: str) -> tuple[EngineConfig, dict[str, Any]]:
     """The engine settings and server flags of an ``inflight serve ...`` command line,
     parsed by the server's own parser. ValueError when it is not one."""
     from inflight.cli import build_parser
 
     tokens = shlex.split(command)
-    if "serve" not in tokens:
+    at = tokens.index("serve") if "serve" in tokens else -1
+    # The program before `serve` must be inflight's: `inflight`, a path to it, or `-m inflight...`.
+    if at < 1 or not any(t.rsplit("/", 1)[-1] == "inflight" or t.startswith("inflight.") for t in tokens[:at]):
         raise ValueError(f"--simulate reads engine settings from an `inflight serve ...` command; "
                          f"{command!r} is not one")
-    rest = tokens[tokens.index("serve") + 1:]
+    rest = tokens[at + 1:]
+    err = io.StringIO()
     try:
-        args = build_parser().parse_args(["serve", *rest])
+        with contextlib.redirect_stderr(err):
+            args = build_parser().parse_args(["serve", *rest])
     except SystemExit:
-        raise ValueError(f"--serve-cmd: `inflight serve` does not accept {shlex.join(rest)!r}") from None
+        last = (err.getvalue().strip().splitlines() or ["bad arguments"])[-1]
+        last = re.sub(r"^[\w .-]+: error: ", "", last)  # argparse's "prog: error: " prefix
+        raise ValueError(f"--serve-cmd: {last}") from None
     return EngineConfig.from_cli_args(args), {"max_num_waiting": args.max_num_waiting,
                                               "served_model_name": getattr(args, "served_model_name", None)}
 
@@ -116,8 +128,9 @@ def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router:
     """
     from inflight.tokenizer import Tokenizer
 
-    if replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ValueError(f"--replicas must be in 1..{MAX_REPLICAS}, got {replicas} (each simulated replica "
+                         f"holds a real engine's state, ~2 MB)")
     if router not in ROUTERS:
         raise ValueError(f"--router: unknown policy {router!r} (choose from {', '.join(ROUTERS)})")
     profile = load_profile(profile_path)

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import logging
+import pathlib
 import sys
 import time
 from typing import Any
@@ -82,6 +83,9 @@ def run_profile(args: argparse.Namespace) -> int:
     from inflight.config import EngineConfig
 
     config = EngineConfig.from_cli_args(args)
+    out = pathlib.Path(args.output)
+    if not out.parent.is_dir() or out.is_dir():
+        raise ValueError(f"--output {out}: {'a directory' if out.is_dir() else 'no such folder ' + str(out.parent)}")
     if args.hardware and args.from_step_log:
         raise ValueError("--hardware derives a profile, --from-step-log fits one: give one of them")
     if args.from_step_log:

@@ -329,24 +329,28 @@ def load_profile(path: str | pathlib.Path) -> StepProfile:
 
     try:
         doc = json.loads(pathlib.Path(path).read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
         raise ValueError(f"{path}: not a JSON step profile ({e})") from None
     if not isinstance(doc, dict) or doc.get("kind") != PROFILE_KIND:
         raise ValueError(f"{path}: not an inflight step profile (make one with `inflight profile`)")
     if doc.get("version") != PROFILE_VERSION:
         raise ValueError(f"{path}: profile version {doc.get('version')}, this inflight reads {PROFILE_VERSION}")
-    cost_doc = doc["cost"]
-    cost: CostModel
-    if cost_doc["kind"] == "fitted":
-        cost = FittedCostModel.from_json(cost_doc["fits"])
-    elif cost_doc["kind"] == "roofline":
-        cost = RooflineCostModel.from_json(cost_doc)
-    else:
-        raise ValueError(f"{path}: unknown cost model {cost_doc['kind']!r}")
-    over = doc.get("overheads", {})
-    return StepProfile(doc["source"], cost, doc["engine"], doc["model"], doc["machine"],
-                       float(over.get("request_s", 0.002)), float(over.get("delivery_s", 0.0005)),
-                       doc.get("samples", []), doc.get("created_at"))
+    try:
+        cost_doc = doc["cost"]
+        cost: CostModel
+        if cost_doc["kind"] == "fitted":
+            cost = FittedCostModel.from_json(cost_doc["fits"])
+        elif cost_doc["kind"] == "roofline":
+            cost = RooflineCostModel.from_json(cost_doc)
+        else:
+            raise ValueError(f"{path}: unknown cost model {cost_doc['kind']!r}")
+        over = doc.get("overheads", {})
+        return StepProfile(doc["source"], cost, doc["engine"], doc["model"], doc["machine"],
+                           float(over.get("request_s", 0.002)), float(over.get("delivery_s", 0.0005)),
+                           doc.get("samples", []), doc.get("created_at"))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: a damaged step profile (missing or bad {e}); make it again "
+                         f"with `inflight profile`") from None
 
 
 def shape_from_row(row: Sequence[float]) -> tuple[StepShape, float]:

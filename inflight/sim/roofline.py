@@ -83,6 +83,7 @@ class Hardware:
 
         Raises:
             FileNotFoundError: neither exists (the message lists the shipped names).
+            ValueError: the file is not a hardware description.
         """
         path = pathlib.Path(name_or_path)
         if not path.exists():
@@ -90,8 +91,11 @@ class Hardware:
         if not path.exists():
             raise FileNotFoundError(f"no hardware description {name_or_path!r}; shipped: "
                                     f"{', '.join(shipped_hardware())} (or give a JSON path)")
-        d = json.loads(path.read_text())
-        return cls(**{k: v for k, v in d.items() if not k.startswith("_")})
+        try:
+            d = json.loads(path.read_text())
+            return cls(**{k: v for k, v in d.items() if not k.startswith("_")})
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not a hardware description ({e}); see inflight/sim/hardware/*.json") from None
 
 
 def shipped_hardware() -> list[str]:

@@ -58,9 +58,14 @@ def read_step_logs(paths: Sequence[str | pathlib.Path], max_gap_s: float = 60.0,
     shapes: list[StepShape] = []
     seconds: list[float] = []
     for path in paths:
+        if pathlib.Path(path).is_dir():
+            raise ValueError(f"{path}: a directory, not a step log")
         with open(path) as f:
-            first = json.loads(f.readline() or "{}")
-            if first.get("kind") != STEP_LOG_KIND:
+            try:
+                first = json.loads(f.readline() or "{}")
+            except ValueError:
+                first = {}
+            if not isinstance(first, dict) or first.get("kind") != STEP_LOG_KIND:
                 raise ValueError(f"{path}: not an inflight step log (inflight serve --step-log)")
             header = header or first
             prev: list[float] | None = None

@@ -105,6 +105,11 @@ def test_profiles_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text('{"kind": "something else"}')
     with pytest.raises(ValueError, match="not an inflight step profile"):
         load_profile(tmp_path / "bad.json")
+    (tmp_path / "damaged.json").write_text('{"kind": "inflight-step-profile", "version": 1, "cost": {"kind": "fitted", "fits": {}}}')
+    with pytest.raises(ValueError, match="damaged step profile"):
+        load_profile(tmp_path / "damaged.json")
+    with pytest.raises(ValueError, match="not a JSON step profile"):
+        load_profile(tmp_path)
     assert isinstance(fitted.cost, FittedCostModel)
 
 
@@ -117,3 +122,11 @@ def test_shipped_hardware_descriptions_load():
         assert hw.memory_bandwidth > 0 and "bfloat16" in hw.peak_flops
     with pytest.raises(FileNotFoundError, match="shipped"):
         Hardware.load("no-such-gpu")
+
+
+def test_a_file_that_is_not_hardware_is_refused_plainly(tmp_path):
+    (tmp_path / "x.json").write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="not a hardware description"):
+        Hardware.load(str(tmp_path / "x.json"))
+    with pytest.raises(ValueError, match="not a hardware description"):
+        Hardware.load(str(tmp_path))

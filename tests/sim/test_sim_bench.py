@@ -78,8 +78,29 @@ def test_capacity_simulated_is_repeatable_and_bounded(profile_path, tmp_path):
     assert limit("b")[1]["limits"] == res["limits"]
 
 
-def test_simulate_refuses_a_command_that_is_not_inflight_serve(profile_path, capsys):
+@pytest.mark.parametrize("command, message", [
+    ("python -m http.server", "is not one"),
+    ("vllm serve --max-num-seqs 2", "is not one"),
+    ("inflight serve --max-num-seqs 2 --no-such-flag", "--serve-cmd: unrecognized arguments: --no-such-flag"),
+])
+def test_simulate_refuses_a_command_that_is_not_inflight_serve(profile_path, capsys, command, message):
     rc = main(["bench", "serve", "--simulate", str(profile_path), *COMMON, "--num-prompts", "2",
-               "--serve-cmd", "python -m http.server"])
+               "--serve-cmd", command])
     assert rc == 2
-    assert "inflight serve" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "usage:" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replicas", "2"], "need --simulate"),
+    (["--router", "least_load"], "need --simulate"),
+])
+def test_replica_flags_need_simulate(flags, message, capsys):
+    rc = main(["bench", "serve", *COMMON, "--num-prompts", "2", *flags])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_simulate_refuses_too_many_replicas(profile_path, capsys):
+    rc = main(["bench", "serve", "--simulate", str(profile_path), *COMMON, "--num-prompts", "2",
+               "--replicas", "100000"])
+    assert rc == 2 and "--replicas must be in 1..1024" in capsys.readouterr().err
