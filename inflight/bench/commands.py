@@ -237,23 +237,23 @@ async def sweep(args) -> int:
     for value in _values(args):
         command = args.serve_cmd.replace("{value}", str(value)) if args.serve_cmd else None
         async with _maybe_server(args, value), contextlib.AsyncExitStack() as stack:
-                session = await open_any_session(args, load, dataset, stack, command)
-                for x in xs:
-                    arrival = replace(base, **{key: x})
-                    p = await run_point(session, arrival, slo)
-                    verdict = _verdict(p, slo, args)
-                    sample = [r.scheduled_time for r in p.records if r.phase == "sample"]
-                    offered = offered_rate(sample)
-                    row = point_row(p.summary, value=value, rate=offered if key == "time_scale" else x,
-                                    time_scale=x if key == "time_scale" else None, offered_rate=offered,
-                                    sustained=None if verdict is None else verdict.passed)
-                    rows.append(row)
-                    points.append({"value": value, "arrival": arrival.describe(), "summary": p.summary,
-                                   "fixed": session.fixed(), "server_counters": p.counters,
-                                   "verdict": verdict.to_json() if verdict else None})
-                    print(_row_line(row), file=sys.stderr)
-                    if verdict is not None:
-                        _print_verdict(verdict, sys.stderr)
+            session = await open_any_session(args, load, dataset, stack, command)
+            for x in xs:
+                arrival = replace(base, **{key: x})
+                p = await run_point(session, arrival, slo)
+                verdict = _verdict(p, slo, args)
+                sample = [r.scheduled_time for r in p.records if r.phase == "sample"]
+                offered = offered_rate(sample)
+                row = point_row(p.summary, value=value, rate=offered if key == "time_scale" else x,
+                                time_scale=x if key == "time_scale" else None, offered_rate=offered,
+                                sustained=None if verdict is None else verdict.passed)
+                rows.append(row)
+                points.append({"value": value, "arrival": arrival.describe(), "summary": p.summary,
+                               "fixed": session.fixed(), "server_counters": p.counters,
+                               "verdict": verdict.to_json() if verdict else None})
+                print(_row_line(row), file=sys.stderr)
+                if verdict is not None:
+                    _print_verdict(verdict, sys.stderr)
     _print_rows(rows, _title(args, "inflight bench sweep"))
     if args.save_result:
         write_json(args.save_result, {**_header(args, "sweep"), "simulated": bool(args.simulate),

@@ -42,12 +42,23 @@ logger = logging.getLogger(__name__)
 
 # A step that scheduled nothing while requests are unfinished (the dynamic policy holding
 # a batch back for ``max_queue_delay``) is retried after this pause instead of spinning.
-_IDLE_POLL_S = 0.002
+IDLE_POLL_S = 0.002
 # After ``step`` itself raised, back off this long so a persistently broken engine does
 # not spin at 100% CPU failing every new request.
 _FAILURE_BACKOFF_S = 0.1
 
 StepListener = Callable[[EngineStats, list[RequestOutput], float], None]
+
+
+def has_room(n: int, num_waiting: int, num_running: int, max_num_seqs: int,
+             max_num_waiting: int | None) -> bool:
+    """The admission bound: ``n`` more sequences fit if those waiting (queued or pending)
+    plus ``n`` stay within ``max_num_waiting`` beyond the free running slots (sequences the
+    next step can admit into a free slot do not queue). None: unbounded. The simulator
+    applies the same rule."""
+    if max_num_waiting is None:
+        return True
+    return num_waiting + n <= max_num_waiting + max(0, max_num_seqs - num_running)
 
 
 class AsyncEngine:
@@ -231,12 +242,10 @@ class AsyncEngine:
 
     def _check_room(self, n: int) -> None:
         # Called with the lock held.
-        if self.max_num_waiting is None:
-            return
         waiting = self._num_pending + self._stats.num_waiting
-        # Sequences the next step can admit into free running slots do not queue.
-        free_slots = max(0, self.engine.config.max_num_seqs - self._stats.num_running)
-        if waiting + n > self.max_num_waiting + free_slots:
+        max_num_seqs = self.engine.config.max_num_seqs
+        if not has_room(n, waiting, self._stats.num_running, max_num_seqs, self.max_num_waiting):
+            free_slots = max(0, max_num_seqs - self._stats.num_running)
             raise EngineOverloadedError(
                 f"the server is overloaded: {waiting} sequences are queued for "
                 f"{free_slots} free running slots and max_num_waiting="
@@ -311,7 +320,7 @@ class AsyncEngine:
                 self._publish_stats(outputs, did_step=True)
                 if not outputs and self._stats.num_steps == steps_before:
                     self.num_waits += 1
-                    self._wake.wait(_IDLE_POLL_S)
+                    self._wake.wait(IDLE_POLL_S)
         except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
             self._dead = f"engine loop crashed: {type(e).__name__}: {e}"
             logger.exception("engine loop crashed")

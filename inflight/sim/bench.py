@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import pathlib
 import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.bench.client import RequestRecord
@@ -90,6 +91,8 @@ class SimSetup:
     model_name: str
     command: str | None
     noise: bool = True
+    # id(spec) -> (spec, its prompt ids); holding the spec keeps its id from being reused
+    _ids: dict[int, tuple[RequestSpec, list[int]]] = field(default_factory=dict, repr=False)
 
     def simulator(self, load: LoadConfig, seed: int = 0) -> Simulator:
         return Simulator(self.config, self.profile, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
@@ -99,12 +102,18 @@ class SimSetup:
                          metrics_interval=load.metrics_interval, noise=self.noise, seed=seed)
 
     def prompt_ids(self, spec: RequestSpec, endpoint: str) -> list[int]:
-        """The token ids the server would queue for ``spec`` (its template and tokenizer)."""
-        tok = self.tokenizer
-        if endpoint == "chat":
-            text = tok.apply_chat_template(spec.as_messages(), add_generation_prompt=True)
-            return list(tok.encode(text, add_special_tokens=False))
-        return list(tok.encode(spec.as_text()))
+        """The token ids the server would queue for ``spec`` (its template and tokenizer),
+        computed once per spec: a search re-sends the same mix at every load."""
+        hit = self._ids.get(id(spec))
+        if hit is None:
+            tok = self.tokenizer
+            if endpoint == "chat":
+                text = tok.apply_chat_template(spec.as_messages(), add_generation_prompt=True)
+                ids = list(tok.encode(text, add_special_tokens=False))
+            else:
+                ids = list(tok.encode(spec.as_text()))
+            hit = self._ids[id(spec)] = (spec, ids)
+        return hit[1]
 
     def describe(self) -> dict:
         c = self.config
@@ -155,23 +164,18 @@ def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router:
         num_blocks = config.kv_cache_memory_bytes // block_bytes
     else:
         num_blocks = int(eng["num_kv_blocks"])
-    model_len = eng.get("max_model_len") or profile.model.get("max_position_embeddings") or num_blocks * config.block_size
-    max_model_len = config.max_model_len or int(profile.model.get("max_position_embeddings") or model_len)
+    max_model_len = int(config.max_model_len or eng.get("max_model_len")
+                        or profile.model.get("max_position_embeddings") or num_blocks * config.block_size)
     path = eng.get("model_path")
     if not path:
         raise ValueError("the profile names no model file (model_path): its tokenizer builds the prompts")
-    tokenizer = Tokenizer.from_pretrained(path) if _is_dir(path) else Tokenizer.from_gguf(path)
+    tokenizer = Tokenizer.from_pretrained(path) if pathlib.Path(path).is_dir() else Tokenizer.from_gguf(path)
     name = extra.get("served_model_name") or profile.model.get("name") or "simulated"
     if isinstance(name, list):
         name = name[0]
     return SimSetup(profile, config, extra.get("max_num_waiting"), num_blocks, max_model_len,
                     list(eng.get("eos_token_ids") or tokenizer.eos_token_ids), replicas, router, tokenizer,
                     str(name), command)
-
-
-def _is_dir(path: str) -> bool:
-    import pathlib
-    return pathlib.Path(path).is_dir()
 
 
 async def open_sim_session(load: LoadConfig, dataset: DatasetConfig, setup: SimSetup) -> Session:
@@ -191,15 +195,7 @@ async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | No
     """``run_point`` on the simulator: the point's schedule, simulated; the same result."""
     setup: SimSetup = session.simulation
     slots, window = await plan_point(session, arrival)
-    ids_cache: dict[int, list[int]] = session.__dict__.setdefault("_sim_prompt_ids", {})
-
-    def ids(spec: RequestSpec) -> list[int]:
-        key = id(spec)
-        if key not in ids_cache:
-            ids_cache[key] = setup.prompt_ids(spec, session.endpoint)
-        return ids_cache[key]
-
-    reqs = [SimRequest(i, s.offset, ids(s.spec), s.spec.output_len, s.spec.output_len, s.spec.ignore_eos,
+    reqs = [SimRequest(i, s.offset, setup.prompt_ids(s.spec, session.endpoint), s.spec.output_len, s.spec.output_len, s.spec.ignore_eos,
                        watched=window is not None and s.phase == "sample",
                        not_after_done=s.phase == "cooldown")
             for i, s in enumerate(slots)]

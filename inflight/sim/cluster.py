@@ -28,12 +28,11 @@ import numpy as np
 
 from inflight.config import EngineConfig
 from inflight.core.output import SampleResult, SchedulerOutput
+from inflight.engine.async_engine import IDLE_POLL_S, has_room
 from inflight.engine.engine import Engine
 from inflight.routing import ReplicaLoad, Router, RoundRobinRouter
 from inflight.sampling_params import SamplingParams
 from inflight.sim.profile import StepProfile, StepShape
-
-IDLE_POLL_S = 0.002  # the engine thread's wait after a step that did nothing (async_engine)
 
 
 class VirtualClock:
@@ -170,11 +169,9 @@ class SimReplica:
         self.load = ReplicaLoad(s.num_running, s.num_waiting + self.pending, s.kv_cache_usage)
 
     def admits(self, n: int = 1) -> bool:
-        """The server's admission bound (``AsyncEngine._check_room``) on the last report."""
-        if self.max_num_waiting is None:
-            return True
-        free = max(0, self.engine.config.max_num_seqs - self.load.num_running)
-        return self.load.num_waiting + n <= self.max_num_waiting + free
+        """The server's admission bound (``async_engine.has_room``) on the last report."""
+        return has_room(n, self.load.num_waiting, self.load.num_running, self.engine.config.max_num_seqs,
+                        self.max_num_waiting)
 
 
 class Simulator:
@@ -223,7 +220,6 @@ class Simulator:
         """Simulate ``requests`` (arrival times ascending not required). Stops when every
         request has ended, or when every ``watched`` one has (if any are), or at ``until``."""
         outcomes = {r.index: SimOutcome(r.index) for r in requests}
-        by_id: dict[str, SimRequest] = {}
         watched = {r.index for r in requests if r.watched}
         unsent = len(requests)
         in_flight = 0
@@ -291,7 +287,6 @@ class Simulator:
                     o.status, o.error = 400, f"400: {e}"
                     finish(o, t)
                     continue
-                by_id[rid] = req
                 if not rep.busy:
                     rep.busy = True
                     self._push(t, "step", rep)
@@ -319,7 +314,6 @@ class Simulator:
                         failure = out.failure()
                         o.status = 200 if failure is None else 503
                         o.error = None if failure is None else str(failure)
-                        by_id.pop(out.request_id, None)
                         finish(o, t + self.profile.delivery_s)
                 rep.publish()
                 if rep.engine.has_unfinished_requests():

@@ -119,26 +119,11 @@ def derive(config: Any, args: argparse.Namespace) -> StepProfile:
     max_len = config.max_model_len or mc.max_position_embeddings
     engine = _engine_info(config, dtype, config.num_kv_blocks, max_len, mc.eos_token_ids,
                           shape.kv_bytes_per_token(DTYPE_BYTES[dtype]) * config.block_size, path, args.max_num_waiting)
-    if engine["num_kv_blocks"] is None:
-        del engine["num_kv_blocks"]
     prof = derive_profile(hw, shape, engine, _model_info(mc, path))
     if not prof.engine.get("eos_token_ids"):
         from inflight.tokenizer import Tokenizer
         prof.engine["eos_token_ids"] = sorted(Tokenizer.from_gguf(path).eos_token_ids)
     return prof
-
-
-class _ShapeRecorder:
-    """Wraps a runner's ``execute`` to note each step's shape."""
-
-    def __init__(self, runner: Any) -> None:
-        self.shapes: list[StepShape] = []
-        inner = runner.execute
-
-        def execute(out: Any) -> Any:
-            self.shapes.append(StepShape.of(out.scheduled))
-            return inner(out)
-        runner.execute = execute
 
 
 def _cases(config: Any, quick: bool) -> list[tuple[str, list[int], list[int]]]:
@@ -205,7 +190,6 @@ def measure(config: Any, args: argparse.Namespace) -> StepProfile:
     engine = Engine(config)
     runner: Any = engine.runner
     model_config = runner.model.config
-    recorder = _ShapeRecorder(runner)
     rng = np.random.default_rng(config.seed)
     vocab = model_config.vocab_size
     shapes: list[StepShape] = []
@@ -217,13 +201,18 @@ def measure(config: Any, args: argparse.Namespace) -> StepProfile:
         return [int(t) for t in rng.integers(100, vocab, n)]
 
     def step_timed() -> None:
-        before = len(recorder.shapes)
+        before = engine.last_plan
         t = time.perf_counter()
         engine.step()
         dt_s = time.perf_counter() - t
-        if len(recorder.shapes) > before:
-            shapes.append(recorder.shapes[-1])
+        plan = engine.last_plan
+        if plan is not None and plan is not before:  # a step ran (not an empty one)
+            shapes.append(StepShape.of(plan.scheduled))
             seconds.append(dt_s)
+
+    def prefilling() -> bool:
+        sched = engine.scheduler
+        return bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
 
     def run(initial: list[int], late: list[int]) -> None:
         nonlocal counter
@@ -231,8 +220,7 @@ def measure(config: Any, args: argparse.Namespace) -> StepProfile:
         for n in initial:
             counter += 1
             engine.add_request(f"p{counter}", prompt(min(n, engine.max_model_len - steps - 3)), params)
-        while late and any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
-                or (late and engine.scheduler.waiting):
+        while late and prefilling():  # the late prompts arrive while the others decode
             step_timed()
         for n in late:
             counter += 1
