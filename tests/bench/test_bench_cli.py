@@ -140,15 +140,18 @@ def test_capacity_cli(fake_server, data_dir, tmp_path, capsys):
     out, png = tmp_path / "c.json", tmp_path / "c.png"
     window = ["--duration", "0.3", "--warmup-duration", "0.1", "--drain-timeout", "0.5", "--tokenize", "approx"]
     rc = main(["capacity", *common(srv.base_url, data_dir), *window, "--num-prompts", "6", "--arrival", "constant",
-               "--slo", "ttft_p50=1s", "--rate-start", "50", "--rate-max", "100", "--max-points", "3",
+               "--slo", "ttft_p50=1s", "--rate-start", "20", "--rate-max", "40", "--max-points", "3",
                "--save-result", str(out), "--plot", str(png)])
-    # Every point thrashes (2 preemptions per request > 1): no load passes.
+    # Every point thrashes (2 preemptions per request > 1): no load passes. A stall of the
+    # test's own event loop on a busy CI host may add a queue verdict beside it (CI saw one at
+    # 100 req/s), so the preemption verdict is asserted present, not alone.
     assert rc == 1
     assert "no load met the SLO" in capsys.readouterr().out
     result = json.loads(out.read_text())
     curve = result["results"][0]["curve"]
-    assert len(curve) == 3 and all("preemptions per request" in p["reasons"][0] for p in curve)
-    assert all(p["evidence"]["causes"] == ["preemption"] for p in curve)
+    assert len(curve) == 3
+    assert all(any("2.00 preemptions per request > 1" in r for r in p["reasons"]) for p in curve)
+    assert all("preemption" in p["evidence"]["causes"] for p in curve)
     assert result["preemption_threshold"] == 1.0 and png.exists()
     assert result["arrival"]["duration"] == 0.3 and result["arrival"]["min_requests"] == 6
 
