@@ -38,7 +38,9 @@ class EngineConfig:
             ``DEFAULT_KV_CACHE_MEMORY_FRACTION``).
         gpu_memory_utilization: on CUDA without an explicit size, the share of free device
             memory for the KV cache.
-        max_model_len: longest sequence (prompt + output tokens); None: the model's.
+        max_model_len: longest sequence (prompt + output tokens); None: the model's,
+            lowered with a warning to what the KV pool holds. An explicit value the pool
+            cannot hold is refused at start (``inflight.engine.loading.resolve_max_model_len``).
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         enable_chunked_prefill: split prompts longer than the remaining budget.
@@ -48,7 +50,10 @@ class EngineConfig:
         scheduling_policy: ``fcfs``, ``priority`` or ``slo`` (``inflight.core.queue_policy``).
         ttft_slo, itl_slo: default latency targets, seconds, for the ``slo`` policy.
         max_queue_time: shed a request that waited this many seconds without starting.
-        priority_aging_s: ``priority`` policy: seconds of waiting worth one priority level.
+        priority_aging_s: ``priority`` policy: seconds of waiting worth one priority level;
+            a request of priority ``p`` outranks every request of priority ``q`` arriving
+            ``(p - q) * priority_aging_s`` seconds or more after it (20 s for 10 levels at
+            the default; ``inflight.core.queue_policy``). 0: no aging.
         num_threads: torch intra-op threads on CPU (None: torch's default).
         seed: seed of the default generator for unseeded sampling.
         step_breakdown: time each step's phases (``inflight.profiling``); the server logs
@@ -74,7 +79,8 @@ class EngineConfig:
     ttft_slo: float | None = None
     itl_slo: float | None = None
     max_queue_time: float | None = None
-    priority_aging_s: float = 10.0
+    # 2 s a level: priority 10 waits at most 20 s behind fresh priority-0 traffic (< 30 s).
+    priority_aging_s: float = 2.0
     num_threads: int | None = None
     seed: int = 0
     step_breakdown: bool = False
@@ -122,7 +128,10 @@ class EngineConfig:
         g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
                        help="KV pool size in bytes (suffixes K, M, G allowed)")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest sequence, prompt plus output tokens (default: the "
+                            "model's, lowered to what the KV cache holds); a value the KV "
+                            "cache cannot hold is refused at start")
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -142,8 +151,10 @@ class EngineConfig:
                        help="slo policy: default inter-token latency target, seconds")
         g.add_argument("--max-queue-time", type=float, default=None,
                        help="shed requests that waited this many seconds without starting")
-        g.add_argument("--priority-aging-s", type=float, default=10.0,
-                       help="priority policy: seconds of waiting worth one priority level")
+        g.add_argument("--priority-aging-s", type=float, default=2.0,
+                       help="priority policy: seconds of waiting worth one priority level; "
+                            "priority p goes ahead of priority q requests arriving "
+                            "(p - q) x this many seconds after it (0: no aging)")
         g.add_argument("--num-threads", type=int, default=None)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--step-breakdown", action="store_true",

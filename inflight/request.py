@@ -52,6 +52,22 @@ class RequestOptions:
     ttft_slo: float | None = None
     itl_slo: float | None = None
 
+    def check_policy(self, policy: str) -> None:
+        """Refuse a field ``policy`` would silently ignore (vLLM answers 400 for a non-zero
+        ``priority`` without priority scheduling): a client that asks for a priority or a
+        latency target must learn that this server does not act on it.
+
+        Raises:
+            ValueError: ``"field: ..."`` naming the field and the policy that uses it.
+        """
+        if self.priority != 0 and policy != "priority":
+            raise ValueError(f"priority: is only used by --scheduling-policy priority "
+                             f"(this server runs {policy}); send 0 or leave it out")
+        for name in ("ttft_slo", "itl_slo"):
+            if getattr(self, name) is not None and policy != "slo":
+                raise ValueError(f"{name}: is only used by --scheduling-policy slo "
+                                 f"(this server runs {policy}); leave it out")
+
 
 class Request:
     """One sequence being generated (one of the ``n`` completions of a prompt).

@@ -18,6 +18,7 @@ from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.profiling import NULL_TIMER
+from inflight.faults import FAULTS
 from inflight.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         """Run one step; returns one sampled token per request that completed its tokens."""
+        FAULTS.check("runner")
         logits, requests = self.compute_logits(out)
         if not requests:
             return []

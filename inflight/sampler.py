@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from inflight.core.output import SampleResult
+from inflight.faults import FAULTS
 from inflight.request import Request
 
 
@@ -46,6 +47,7 @@ class Sampler:
         Returns:
             One ``SampleResult`` per row, in row order.
         """
+        FAULTS.check("sampler")
         raw = logits
         if any(_needs_penalties(r) for r in requests):
             # Penalties edit logits in place; the raw ones stay intact for logprobs.

@@ -40,8 +40,13 @@ class KVCacheManager:
         enable_prefix_caching: reuse cached full blocks across requests.
 
     Attributes:
-        prefix_cache_queries: prompt tokens looked up in the prefix cache (admissions).
+        prefix_cache_queries: tokens looked up in the prefix cache at first admissions.
         prefix_cache_hits: of those, tokens found cached.
+        preempted_prefix_cache_queries, preempted_prefix_cache_hits: the same for
+            readmissions after preemption, kept apart (vLLM v1's ``PrefixCacheStats``
+            ``preempted_queries``/``preempted_hits``): a preempted request finding its own
+            blocks again is recovery from preemption, not prefix sharing, and counting it
+            would make the hit rate rise with KV pressure.
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -57,6 +62,8 @@ class KVCacheManager:
         self._registered_this_step: list[int] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.preempted_prefix_cache_queries = 0
+        self.preempted_prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -116,10 +123,17 @@ class KVCacheManager:
         self._num_registered[rid] = num_full
 
     def record_lookup(self, request: Request, computed_blocks: list[int]) -> None:
-        """Count an admitted request's prefix-cache lookup (tokens queried and hit)."""
-        if self.enable_prefix_caching:
+        """Count an admitted request's prefix-cache lookup (tokens queried and hit); a
+        readmission after preemption goes on the ``preempted_*`` counters instead."""
+        if not self.enable_prefix_caching:
+            return
+        hits = len(computed_blocks) * self.block_size
+        if request.num_preemptions > 0:
+            self.preempted_prefix_cache_queries += request.num_tokens
+            self.preempted_prefix_cache_hits += hits
+        else:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+            self.prefix_cache_hits += hits
 
     def begin_step(self) -> None:
         """Start a new step's record of newly cached blocks (see ``discard_step``)."""

@@ -4,7 +4,16 @@
 - ``priority``: lower ``Request.priority`` first, ties by arrival (vLLM's ``priority``
   policy); under KV pressure the lowest-priority running request is preempted first.
   Aging prevents starvation: every ``priority_aging_s`` seconds a request waits improves
-  its effective priority by one level, so any request eventually outranks newer arrivals.
+  its effective priority by one level (``priority - floor(waited / priority_aging_s)``,
+  ties by arrival). The bound this gives: a request of priority ``p`` goes ahead of every
+  request of priority ``q`` that arrives ``(p - q) * priority_aging_s`` seconds or more
+  after it (``PriorityPolicy.outranks_after``). So under saturation by a stream of fresh
+  priority-``q`` requests it is admitted at the first step at or after
+  ``arrival + (p - q) * priority_aging_s`` (20 s for priority 10 over priority 0 at the
+  default 2 s), later only by the time to admit requests queued ahead of it that arrived
+  before that; once running it needs its own generation time, unless KV pressure preempts
+  it (aging orders the waiting queue, not preemption). vLLM's priority policy has no
+  aging; this is the classic aging remedy for starvation in priority scheduling.
 - ``slo``: earliest deadline first (Liu & Layland, JACM 1973) on the waiting queue, deadline
   = arrival + TTFT target; the step's token budget is capped so the predicted step time
   stays within the tightest ITL target of the running decodes, and prefills get what is
@@ -57,8 +66,20 @@ class PriorityPolicy(FCFSPolicy):
         self.aging_s = aging_s
 
     def effective_priority(self, req: Request, now: float) -> float:
+        """``priority`` less one level per ``aging_s`` seconds waited since arrival at
+        ``now`` (seconds on the scheduler's clock); lower goes first."""
         waited = max(now - req.arrival_time, 0.0)
         return req.priority - (math.floor(waited / self.aging_s) if self.aging_s > 0 else 0)
+
+    def outranks_after(self, priority: int, other_priority: int) -> float:
+        """Seconds ``(priority - other_priority) * aging_s``: a request of ``priority`` goes
+        ahead of any request of ``other_priority`` arriving this long or longer after it
+        (then its effective priority is never worse, and ties go to the earlier arrival).
+        0 when ``priority <= other_priority``; ``inf`` with aging off and a worse priority."""
+        levels = priority - other_priority
+        if levels <= 0:
+            return 0.0
+        return levels * self.aging_s if self.aging_s > 0 else math.inf
 
     def waiting_order(self, waiting: Iterable[Request], now: float) -> list[Request]:
         return sorted(waiting, key=lambda r: (self.effective_priority(r, now), r.arrival_time))

@@ -80,6 +80,10 @@ class Scheduler:
             lone request always fits.
         num_preemptions, num_prompt_tokens, num_generation_tokens: since start; prompt
             tokens count recomputation after preemption.
+        num_recomputed_tokens: since start, tokens a preempted request computed again:
+            those it had computed before its preemption and scheduled anew after it, less
+            the ones it got back from the prefix cache (those are neither recomputed nor
+            prefix-cache hits, see ``KVCacheManager.record_lookup``).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
@@ -96,6 +100,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_recomputed_tokens = 0
+        # Per preempted request: tokens it had computed before its latest preemption; the
+        # ones scheduled below that mark are recomputation.
+        self._recompute_until: dict[str, int] = {}
         # Admission keeps a few blocks spare so a freshly admitted request is not preempted
         # by the next decode step's block (vLLM's watermark, 1% of the pool).
         self.watermark_blocks = int(0.01 * kv_cache.num_blocks)
@@ -157,6 +165,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        self._recompute_until.pop(request.request_id, None)
         request.status = status
         request.finished_time = self.clock()
 
@@ -351,10 +360,25 @@ class Scheduler:
         ))
         out.num_batched_tokens += n
         req.num_computed_tokens += n
+        self._count_recomputed(req.request_id, start, start + n)
         self.kv_cache.cache_full_blocks(req)
+
+    def _count_recomputed(self, request_id: str, start: int, end: int) -> None:
+        """Count the tokens ``[start, end)`` just scheduled that the request had computed
+        before its latest preemption."""
+        until = self._recompute_until.get(request_id)
+        if until is None:
+            return
+        self.num_recomputed_tokens += max(0, min(end, until) - start)
+        if end >= until:
+            del self._recompute_until[request_id]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: free the blocks, requeue at the head, start over later."""
+        # A request preempted again mid-recompute still owes the older, higher mark.
+        rid = req.request_id
+        self._recompute_until[rid] = max(self._recompute_until.get(rid, 0),
+                                         req.num_computed_tokens)
         self.kv_cache.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

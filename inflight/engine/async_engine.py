@@ -93,6 +93,7 @@ class AsyncEngine:
         self._stats = engine.get_stats()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draining = False
         self._dead: str | None = None
         # Times the loop waited (idle, or after a step that did nothing): a step log keeps
         # only steps that followed one another directly.
@@ -124,6 +125,29 @@ class AsyncEngine:
         """True while the engine thread is alive and accepting requests."""
         return (self._thread is not None and self._thread.is_alive() and not self._stopping
                 and self._dead is None)
+
+    @property
+    def is_accepting(self) -> bool:
+        """True while new requests are taken: running and not draining for shutdown."""
+        return self.is_running and not self._draining
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests (API-level, each ``n`` sequences) queued or running, not yet finished."""
+        with self._lock:
+            return len(self._streams)
+
+    def drain(self) -> None:
+        """Refuse new requests (503 ``server_unavailable``) and let those in flight run on:
+        the first phase of a graceful shutdown, so that a client that comes during it hears
+        why instead of finding the port closed (idempotent)."""
+        self._draining = True
+
+    def _check_accepting(self) -> None:
+        if self._draining and self.is_running:
+            raise EngineDeadError("the server is shutting down; retry on another replica")
+        if not self.is_running:
+            raise EngineDeadError(self._dead or "the engine is not running")
 
     def get_stats(self) -> EngineStats:
         """The engine's stats as of the end of the last loop iteration (never blocks)."""
@@ -191,13 +215,12 @@ class AsyncEngine:
 
         Raises:
             EngineOverloadedError: ``max_num_waiting`` sequences already wait.
-            EngineDeadError: the engine loop is not running.
+            EngineDeadError: the engine loop is not running, or it drains for shutdown.
             InvalidRequestError: ``request_id`` is already in flight.
             RequestTooLargeError: ``n`` exceeds what could ever be queued
                 (``max_num_seqs + max_num_waiting``): retrying cannot help.
         """
-        if not self.is_running:
-            raise EngineDeadError(self._dead or "the engine is not running")
+        self._check_accepting()
         loop = asyncio.get_running_loop()
         n = sampling_params.n
         held = reservation if reservation is not None and reservation.remaining >= n else None
@@ -228,8 +251,7 @@ class AsyncEngine:
         Raises:
             EngineDeadError, RequestTooLargeError, EngineOverloadedError: as ``add_request``.
         """
-        if not self.is_running:
-            raise EngineDeadError(self._dead or "the engine is not running")
+        self._check_accepting()
         self.check_num_seqs(num_seqs)
         with self._lock:
             self._check_room(num_seqs)
@@ -240,16 +262,38 @@ class AsyncEngine:
         with self._lock:
             self._num_pending -= n
 
-    def _check_room(self, n: int) -> None:
+    def refusal(self, num_seqs: int = 1) -> EngineError | None:
+        """The error ``reserve(num_seqs)`` would raise now, else None; takes nothing.
+
+        For the HTTP edge to refuse a burst before reading a body (one lock, a few
+        comparisons): a request that would get 503 should not first be parsed, templated
+        and tokenized.
+        """
+        if not self.is_accepting:
+            try:
+                self._check_accepting()
+            except EngineError as e:
+                return e
+        with self._lock:
+            return self._overload(num_seqs)
+
+    def _overload(self, n: int) -> EngineOverloadedError | None:
         # Called with the lock held.
         waiting = self._num_pending + self._stats.num_waiting
         max_num_seqs = self.engine.config.max_num_seqs
-        if not has_room(n, waiting, self._stats.num_running, max_num_seqs, self.max_num_waiting):
-            free_slots = max(0, max_num_seqs - self._stats.num_running)
-            raise EngineOverloadedError(
-                f"the server is overloaded: {waiting} sequences are queued for "
-                f"{free_slots} free running slots and max_num_waiting="
-                f"{self.max_num_waiting} more; retry later")
+        if has_room(n, waiting, self._stats.num_running, max_num_seqs, self.max_num_waiting):
+            return None
+        free_slots = max(0, max_num_seqs - self._stats.num_running)
+        return EngineOverloadedError(
+            f"the server is overloaded: {waiting} sequences are queued for "
+            f"{free_slots} free running slots and max_num_waiting="
+            f"{self.max_num_waiting} more; retry later")
+
+    def _check_room(self, n: int) -> None:
+        # Called with the lock held.
+        error = self._overload(n)
+        if error is not None:
+            raise error
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort ``request_id`` (no-op if it already finished)."""

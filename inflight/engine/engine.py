@@ -144,12 +144,15 @@ class Engine:
         return self.kv_cache.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
+        """Counters since start and gauges now; prefix-cache counters leave readmissions
+        after preemption out, recomputation has ``num_recomputed_tokens``."""
         s, kv = self.scheduler, self.kv_cache
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=kv.usage(),
             num_preemptions=s.num_preemptions, prompt_tokens=s.num_prompt_tokens,
             generation_tokens=s.num_generation_tokens, num_steps=self._num_steps,
-            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits)
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_recomputed_tokens=s.num_recomputed_tokens)
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

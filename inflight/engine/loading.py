@@ -65,6 +65,8 @@ def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.devic
     model.load_weights(state)
     del state
     tokenizer = Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    from inflight.tokenizer import check_chat_template
+    check_chat_template(tokenizer, path)  # UnsafeChatTemplateError: refuse to serve it
     return model_config, model, tokenizer
 
 
@@ -101,6 +103,48 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, kv_dtype: tor
         raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
                          f"({per_block} bytes each)")
     return blocks
+
+
+def resolve_max_model_len(requested: int | None, model_len: int, num_blocks: int,
+                          block_size: int) -> int:
+    """The context length to serve, in tokens, given what the KV pool holds.
+
+    An explicit ``requested`` (``--max-model-len``) is served as asked or refused: vLLM
+    refuses to start when one sequence of ``max_model_len`` tokens cannot fit the KV cache,
+    since such a request would be accepted and then cut short. Without one the model's
+    ``model_len`` is the default, and when the pool is smaller the default is lowered to
+    the pool with a warning naming both numbers (the default must always start; nothing is
+    cut silently: the served ``max_model_len`` is what requests are checked against).
+
+    Args:
+        requested: ``EngineConfig.max_model_len`` (None: the model's).
+        model_len: the model's context length (``max_position_embeddings``).
+        num_blocks, block_size: the KV pool, blocks and tokens per block.
+
+    Raises:
+        ValueError: ``requested`` past ``model_len``, or past the pool's
+            ``num_blocks * block_size`` tokens (the message names both numbers and the
+            flags that fix it).
+    """
+    pool_tokens = num_blocks * block_size
+    if requested is not None:
+        if requested > model_len:
+            raise ValueError(f"max_model_len: {requested} exceeds the model's context length "
+                             f"{model_len}")
+        if requested > pool_tokens:
+            raise ValueError(
+                f"max_model_len: {requested} is larger than the KV cache can hold: "
+                f"{pool_tokens} tokens ({num_blocks} blocks x {block_size}); lower "
+                f"--max-model-len to {pool_tokens} or less, or raise --num-kv-blocks or "
+                f"--kv-cache-memory-bytes (--gpu-memory-utilization on CUDA)")
+        return requested
+    if model_len > pool_tokens:
+        logger.warning("the model's context length %d is larger than the KV cache can hold "
+                       "(%d tokens = %d blocks x %d): serving max_model_len %d; raise "
+                       "--num-kv-blocks or --kv-cache-memory-bytes for the full context",
+                       model_len, pool_tokens, num_blocks, block_size, pool_tokens)
+        return pool_tokens
+    return model_len
 
 
 def cuda_kv_budget(free: int, total: int, utilization: float, activations: int) -> int:
@@ -146,7 +190,8 @@ class LoadedModel:
         runner: the model runner, KV cache allocated.
         tokenizer: the model's tokenizer.
         num_blocks: KV pool size in blocks.
-        max_model_len: context length (``config.max_model_len`` or the model's).
+        max_model_len: context length (``config.max_model_len``, or the model's lowered
+            to the pool: ``resolve_max_model_len``).
         eos_token_ids: end-of-sequence ids of the model and its tokenizer.
     """
 
@@ -161,7 +206,8 @@ def load(config: EngineConfig) -> LoadedModel:
     """Load the model ``config`` names and size its KV pool.
 
     Raises:
-        ValueError: ``max_model_len`` past the model's context length, or a bad device.
+        ValueError: ``max_model_len`` past the model's context length or past what the KV
+            pool holds (``resolve_max_model_len``), or a bad device.
         FileNotFoundError: no such model.
     """
     if config.num_threads:
@@ -173,11 +219,10 @@ def load(config: EngineConfig) -> LoadedModel:
     path = resolve_model_path(config.model)
     t0 = time.monotonic()
     model_config, model, tokenizer = load_model_and_tokenizer(path, dtype, device)
-    max_len = config.max_model_len or model_config.max_position_embeddings
-    if max_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len: {max_len} exceeds the model's context length "
-                         f"{model_config.max_position_embeddings}")
     blocks = num_kv_blocks(config, model_config, kv_dtype, device)
+    # Before the KV tensors are allocated: a refusal should not first take the memory.
+    max_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
+                                    blocks, config.block_size)
     runner = ModelRunner(model, blocks, config.block_size, kv_dtype, Sampler(config.seed, device))
     eos = frozenset(model_config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
     logger.info("loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = "
@@ -185,8 +230,4 @@ def load(config: EngineConfig) -> LoadedModel:
                 model_config.architecture, str(dtype).removeprefix("torch."), device,
                 time.monotonic() - t0, blocks, config.block_size, blocks * config.block_size,
                 sum(t.numel() * t.element_size() for t in runner.kv_caches) / 2**20, max_len)
-    if blocks * config.block_size < max_len:
-        logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: "
-                       "sequences stop at %d tokens", blocks * config.block_size, max_len,
-                       blocks * config.block_size)
     return LoadedModel(runner, tokenizer, blocks, max_len, eos)

@@ -6,9 +6,16 @@ reason a group ended early (an error, load shedding, an abort by the server). Th
 owns token-level state and stops; this owns text-level ones. vLLM v1 splits its engine the
 same way (``EngineCore`` / ``OutputProcessor``, vllm/v1/engine/output_processor.py).
 
-Stop strings are checked only once a sequence has ``min_tokens`` tokens; a match is handed
-back to the engine, which ends the request in the scheduler. Structured output and tool-call
-parsing plug in here (and in the sampler).
+Stop strings and ``min_tokens`` follow vLLM v1 (``BaseIncrementalDetokenizer.update``,
+vllm/v1/engine/detokenizer.py): a stop string is looked for only once a sequence has *more*
+than ``min_tokens`` output tokens, and a match must end in text that the tokens past the
+first ``min_tokens`` added; it may start earlier. So with ``min_tokens=3`` and
+``stop=["hi"]``, "hi" spread over tokens 3 and 4 ends the request at token 4, while "hi"
+within the first three tokens (even ending exactly at token 3) never does. EOS and stop
+token ids are a different rule (the scheduler's): they may end a sequence at token
+``min_tokens`` itself, as in vLLM. A match is handed back to the engine, which ends the
+request in the scheduler. Structured output and tool-call parsing plug in here (and in the
+sampler).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.errors import InvalidRequestError
+from inflight.faults import FAULTS
 from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inflight.request import Request, RequestOptions
 from inflight.sampling_params import SamplingParams
@@ -153,7 +161,8 @@ class OutputProcessor:
         if seq.detokenizer is None:
             return None
         req = seq.request
-        past_min = req.num_output_tokens >= req.sampling_params.min_tokens
+        FAULTS.check("detokenizer", req.request_id)
+        past_min = req.num_output_tokens > req.sampling_params.min_tokens  # vLLM's rule, above
         stop: str | None = seq.detokenizer.add_tokens(req.output_token_ids[-1:],
                                                       check_stop=past_min)
         return stop

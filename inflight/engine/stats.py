@@ -22,7 +22,10 @@ class EngineStats:
         prompt_tokens, generation_tokens: tokens computed for prompts / sampled, since start.
         num_steps: engine steps since start.
         prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in / found in the
-            prefix cache at admission, since start.
+            prefix cache at first admission, since start (readmissions after preemption
+            are left out, as vLLM does).
+        num_recomputed_tokens: tokens computed again after preemption, since start
+            (``Scheduler.num_recomputed_tokens``).
     """
 
     num_running: int
@@ -34,6 +37,7 @@ class EngineStats:
     num_steps: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_recomputed_tokens: int = 0
 
 
 def _hit_rate(now: EngineStats, before: EngineStats) -> float:

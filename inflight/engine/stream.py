@@ -1,13 +1,15 @@
 """A request's outputs on the event loop: ``RequestStream`` and ``merge_outputs``.
 
 The engine thread ``put``s each delta (or the error that ends the request) through
-``loop.call_soon_threadsafe``; the reader merges deltas that piled up between reads, so a
-slow reader gets one chunk instead of a backlog (vLLM v1's output processor does the same).
+``loop.call_soon_threadsafe``; deltas that arrive before the reader took the previous one
+are merged into it, so a slow reader gets one chunk instead of a backlog (vLLM v1's output
+processor merges the same way) and an unread stream's buffer stays bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -18,10 +20,13 @@ class RequestStream:
     """The outputs of one request, as an async iterator of deltas.
 
     Each item is a ``RequestOutput`` whose completions hold only what is new (text, token
-    ids, logprobs) since the previous item; deltas that arrived together are merged. The
-    last item has ``finished=True`` (``error`` set if the engine failed the request), then
-    iteration stops. ``abort()`` cancels the request; iterating on then yields its final
-    ``finish_reason="abort"`` output.
+    ids, logprobs) since the previous item; deltas that arrived while nobody read are
+    merged as they arrive, so an unread stream holds at most one pending output (and the
+    error that ends it), never a backlog that grows with every step: a client that stops
+    reading costs its own text, not memory per token, and never slows the engine, whose
+    ``put`` does not block. The last item has ``finished=True`` (``error`` set if the engine
+    failed the request), then iteration stops. ``abort()`` cancels the request; iterating
+    on then yields its final ``finish_reason="abort"`` output.
 
     Raises (from iteration) ``EngineError``:
         InvalidRequestError: the engine refused the request (a prompt it cannot hold).
@@ -34,16 +39,30 @@ class RequestStream:
         self.request_id = request_id
         self._abort = abort
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Deliver an output or the error that ends the stream; called on the engine
-        thread (thread-safe)."""
+        thread (thread-safe, never blocks)."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._push, item)
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        last = self._pending[-1] if self._pending else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self._pending[-1] = merge_outputs(last, item)
+        else:
+            self._pending.append(item)
+        self._ready.set()
+
+    @property
+    def num_pending(self) -> int:
+        """Items delivered and not yet read (at most 2: an output and an error)."""
+        return len(self._pending)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -51,14 +70,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        # Merge what else is already queued, so a slow reader gets one chunk, not a backlog.
-        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            nxt = self._queue.get_nowait()
-            if isinstance(nxt, BaseException):
-                self._queue.put_nowait(nxt)  # deliver the output first, the error next
-                break
-            item = merge_outputs(item, nxt)
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._pending.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
 import signal
 import socket
 import threading
@@ -30,19 +29,22 @@ from typing import Any
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inflight.engine.async_engine import AsyncEngine
+from inflight.server import responses as R
 from inflight.server import serving
 from inflight.server.errors import OpenAIError, bad_request, install_error_handlers
 from inflight.server.generation import Generation, ServerContext, encode
 from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics
-from inflight.server.middleware import BodySizeLimitMiddleware
-from inflight.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest)
+from inflight.server.middleware import (AdmissionMiddleware, ApiKeyMiddleware,
+                                        BodySizeLimitMiddleware)
+from inflight.server.protocol import (MAX_TOKENS_MARK, TOKEN_ID_MARK, ChatCompletionRequest,
+                                      CompletionRequest, DetokenizeRequest, TokenizeRequest)
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +86,84 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="inflight", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.openapi = lambda: _openapi(app, engine, model_names)  # type: ignore[method-assign]
     app.state.ctx = ctx
     install_error_handlers(app)
+    # Starlette runs the middleware added last first: the key, then admission, then size.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
-    app.include_router(_v1_router(ctx, api_key))
+    app.add_middleware(AdmissionMiddleware, refusal=engine.refusal, paths=_GENERATION_PATHS)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=_needs_key)
+    app.include_router(_v1_router(ctx))
     app.include_router(_ops_router(ctx, metrics))
-    app.include_router(_admin_router(ctx, api_key))
+    app.include_router(_admin_router(ctx))
     return app
+
+
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+# Routes behind --api-key: the OpenAI API and what changes engine state. /health, /metrics,
+# /stats and /tokenize stay open, as in vLLM.
+_ADMIN_PATHS = ("/reset_prefix_cache",)
+
+
+def _needs_key(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/") or path in _ADMIN_PATHS
+
+
+# Request fields each scheduling policy acts on; under another policy they are refused
+# (RequestOptions.check_policy) and left out of the document.
+_POLICY_FIELDS = {"priority": ("priority",), "slo": ("ttft_slo", "itl_slo")}
+
+
+def _openapi(app: FastAPI, engine: AsyncEngine, model_names: Sequence[str]) -> dict[str, Any]:
+    """The OpenAPI document as this server behaves: validation failures are 400 (FastAPI
+    documents 422); token ids and ``max_tokens`` carry this model's bounds, ``model`` the
+    served names, and only the scheduling fields this server's policy acts on are listed;
+    so a client, or a fuzzer, learns from it what will be accepted."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=_version(), summary=app.summary, routes=app.routes)
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            op["responses"].pop("422", None)
+    schemas = doc.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    bounds = {TOKEN_ID_MARK: engine.tokenizer.vocab_size - 1,
+              MAX_TOKENS_MARK: engine.max_model_len - 1}
+
+    def bound(node: Any) -> None:
+        if isinstance(node, dict):
+            for mark, limit in bounds.items():
+                if node.pop(mark, False):
+                    node["maximum"] = limit
+            for v in node.values():
+                bound(v)
+        elif isinstance(node, list):
+            for v in node:
+                bound(v)
+    bound(schemas)
+    policy = engine.config.scheduling_policy
+    ignored = [f for p, fields in _POLICY_FIELDS.items() if p != policy for f in fields]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
+                 "DetokenizeRequest"):
+        props = schemas.get(name, {}).get("properties", {})
+        if "model" in props:
+            props["model"]["anyOf"] = [{"type": "string", "enum": list(model_names)},
+                                       {"type": "null"}]
+        for field in ignored:
+            props.pop(field, None)
+    app.openapi_schema = doc
+    return doc
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("inflight-serve")
+    except PackageNotFoundError:
+        return "0"
 
 
 def _config_labels(engine: AsyncEngine, name: str) -> dict[str, str]:
@@ -101,20 +174,6 @@ def _config_labels(engine: AsyncEngine, name: str) -> dict[str, str]:
             "max_num_batched_tokens": str(cfg.max_num_batched_tokens),
             "max_model_len": str(engine.max_model_len), "batching_policy": cfg.batching_policy,
             "enable_chunked_prefill": str(cfg.enable_chunked_prefill).lower()}
-
-
-def _auth(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        got = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(got, expected):
-            raise OpenAIError(401, "Incorrect or missing API key (send Authorization: Bearer "
-                              "<key>).", code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
-    return check
 
 
 class _SSEResponse(StreamingResponse):
@@ -174,10 +233,11 @@ async def _respond(request: Request, gen: Generation, body, stream_fn, response_
 
 
 
-def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_key))])
+def _v1_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter(prefix="/v1")
 
-    @router.get("/models")
+    @router.get("/models", operation_id="list_models", response_model=None,
+                responses={200: {"model": R.ModelList}, **R.errors(401)})
     async def models() -> dict:
         """OpenAI's model list: the served names."""
         created = int(time.time())
@@ -186,14 +246,19 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
              "root": ctx.model_name, "max_model_len": ctx.engine.max_model_len}
             for name in ctx.model_names]}
 
-    @router.post("/completions")
+    @router.post("/completions", operation_id="create_completion", response_model=None, responses={
+        **R.streamed(R.CompletionResponse, "the completion, or its chunks as events"),
+        **R.errors(400, 401, 404, 413, 500, 503)})
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI's legacy completions (https://platform.openai.com/docs/api-reference/completions)."""
         gen = await serving.prepare_completion(ctx, body, time.monotonic())
         return await _respond(request, gen, body, serving.stream_completion,
                               serving.completion_response)
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", operation_id="create_chat_completion", response_model=None,
+                 responses={
+        **R.streamed(R.ChatCompletionResponse, "the completion, or its chunks as events"),
+        **R.errors(400, 401, 404, 413, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """OpenAI's chat completions (https://platform.openai.com/docs/api-reference/chat)."""
         gen = await serving.prepare_chat(ctx, body, time.monotonic())
@@ -202,11 +267,12 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     return router
 
 
-def _admin_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
-    """Routes that change engine state; they need the API key when one is set."""
-    router = APIRouter(dependencies=[Depends(_auth(api_key))])
+def _admin_router(ctx: ServerContext) -> APIRouter:
+    """Routes that change engine state; they need the API key when one is set (``_ADMIN_PATHS``)."""
+    router = APIRouter()
 
-    @router.post("/reset_prefix_cache")
+    @router.post("/reset_prefix_cache", response_model=None, responses={
+        200: {"model": R.ResetPrefixCacheResponse}, **R.errors(401, 503)})
     async def reset_prefix_cache() -> dict:
         """Drop every cached KV block no running request holds (vLLM's route), so a
         benchmark can start cold. Returns how many blocks were dropped."""
@@ -218,24 +284,34 @@ def _admin_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
 def _ops_router(ctx: ServerContext, metrics: ServerMetrics) -> APIRouter:
     router = APIRouter()
 
-    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        """200 while the engine loop runs; 503 once it stopped (shutdown or crash)."""
-        if ctx.engine.is_running:
+        """200 while the engine takes requests; 503 while it drains for shutdown or once
+        its loop stopped (crash), so a load balancer takes this replica out."""
+        if ctx.engine.is_accepting:
             return JSONResponse({})
-        raise OpenAIError(503, "the engine is not running", code="server_unavailable")
+        why = "the server is shutting down" if ctx.engine.is_running else "the engine is not running"
+        raise OpenAIError(503, why, code="server_unavailable")
 
-    @router.get("/metrics")
+    health_doc = {200: {"model": R.Health}, **R.errors(503)}
+    router.add_api_route("/health", health, methods=["GET"], operation_id="health",
+                         response_model=None, responses=health_doc)
+    router.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head",
+                         response_model=None, responses=health_doc)
+
+    @router.get("/metrics", response_class=PlainTextResponse,
+                responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                 "description": "Prometheus text exposition format 0.0.4"}})
     async def prometheus() -> Response:
         """Prometheus text exposition (``inflight:*`` metrics)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/stats")
+    @router.get("/stats", response_model=None, responses={200: {"model": R.Stats}})
     async def stats() -> dict:
         """p50/p95/p99 of TTFT, ITL and E2E over the recent window, plus engine gauges."""
         return metrics.stats()
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", response_model=None, responses={
+        200: {"model": R.TokenizeResponse}, **R.errors(400, 404, 413, 500)})
     async def tokenize(body: TokenizeRequest) -> dict:
         """vLLM's ``/tokenize``: a prompt, or messages through the chat template."""
         ctx.check_model(body.model)
@@ -247,15 +323,12 @@ def _ops_router(ctx: ServerContext, metrics: ServerMetrics) -> APIRouter:
             ids = await encode(ctx, body.prompt, "prompt", add_special)
         else:
             messages = serving.render_messages(body.messages)
-            try:
-                text = await asyncio.to_thread(tok.apply_chat_template, messages,
-                                               add_generation_prompt=body.add_generation_prompt)
-            except ValueError as e:
-                raise bad_request(str(e), param="messages") from None
+            text = await serving.render_chat(ctx, messages, body.add_generation_prompt)
             ids = await encode(ctx, text, "messages", bool(body.add_special_tokens))
         return {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids}
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", response_model=None, responses={
+        200: {"model": R.DetokenizeResponse}, **R.errors(400, 404, 413)})
     async def detokenize(body: DetokenizeRequest) -> dict:
         """vLLM's ``/detokenize``: token ids to text."""
         ctx.check_model(body.model)
@@ -333,10 +406,22 @@ def default_model_name(model: str | None) -> str:
     return find_bundled_model().name.split(".")[0]
 
 
+# After the drain: how long aborts get to land (one engine step), then how long connections
+# get to deliver their last bytes before uvicorn closes them. Together under a second.
+_ABORT_WAIT_S = 0.3
+_CLOSE_GRACE_S = 0.5
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server with a last step in its graceful shutdown: requests still running
-    ``grace_s`` after the signal are aborted, so their clients hear ``finish_reason=abort``
-    and ``[DONE]`` rather than a dropped connection."""
+    """uvicorn's server with a drain in front of its graceful shutdown.
+
+    On SIGINT/SIGTERM the socket stays open for up to ``grace_s``: requests in flight run
+    on, new ones get 503 (``server_unavailable``) and ``/health`` 503, instead of a refused
+    connection. Requests still running then are aborted, so their clients hear
+    ``finish_reason=abort`` and ``[DONE]``; the log says how many finished and how many were
+    aborted. uvicorn then closes the socket and connections (``_CLOSE_GRACE_S`` for their
+    last bytes). The process exits within about ``grace_s + 1`` s.
+    """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
         super().__init__(config)
@@ -344,11 +429,25 @@ class _Server(uvicorn.Server):
         self._grace_s = grace_s
 
     async def shutdown(self, sockets=None) -> None:
-        handle = asyncio.get_running_loop().call_later(self._grace_s, self._engine.abort_all)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            handle.cancel()
+        engine = self._engine
+        engine.drain()
+        start, in_flight = time.monotonic(), engine.num_in_flight
+        if in_flight:
+            logger.info("shutting down: %d requests in flight get %.1f s to finish",
+                        in_flight, self._grace_s)
+        while engine.num_in_flight and time.monotonic() - start < self._grace_s:
+            await asyncio.sleep(0.02)
+        left = engine.num_in_flight
+        if left:
+            engine.abort_all()
+            # The aborts land after the engine's current step; their final outputs go out
+            # before uvicorn starts closing connections.
+            deadline = time.monotonic() + _ABORT_WAIT_S
+            while engine.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        logger.info("shutdown: %d requests finished during the %.1f s drain, %d aborted",
+                    max(0, in_flight - left), time.monotonic() - start, left)
+        await super().shutdown(sockets)
 
 
 def build_engine_off_main_thread(build: Callable[[], Any]) -> Any:
@@ -402,7 +501,8 @@ def run_serve(args: argparse.Namespace) -> int:
     log_level = getattr(args, "log_level", "info").lower()
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                access_log=args.access_log, lifespan="on",
-                               timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                               # typed int, but uvicorn hands it to asyncio.wait_for
+                               timeout_graceful_shutdown=_CLOSE_GRACE_S)  # type: ignore[arg-type]
     server = _Server(uv_config, engine, args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d (API key %s)", names[0], args.host, args.port,
                 "required" if api_key else "not required")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -107,23 +108,89 @@ def to_openai(e: EngineError, param_names: dict[str, str] | None = None) -> Open
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "set", "tuple"}
 
 
-def _param_of(loc: tuple) -> str | None:
+def _is_field(p) -> bool:
+    # Our fields are snake_case; pydantic's union member tags are type names ("str",
+    # "list[TextPart]", "TextPart", "function-after[...]").
+    return isinstance(p, str) and p.isidentifier() and p == p.lower() and p not in _TYPE_TAGS
+
+
+def _path(loc: tuple, stop_at_tag: bool) -> str:
     # "messages[0].content" from ("body", "messages", 0, "content", "list[TextPart]", 0):
-    # pydantic puts union member tags in locations; they end the field path.
+    # with stop_at_tag the path ends at the union (the field the client sent), without it
+    # the member's tag is skipped and the path goes on to the part at fault.
     out = ""
     for p in loc:
         if p == "body" and not out:
             continue
         if isinstance(p, int):
             out += f"[{p}]"
-        elif isinstance(p, str) and p.isidentifier() and p.lower() not in _TYPE_TAGS:
+        elif _is_field(p):
             out += f".{p}" if out else p
-        else:
+        elif stop_at_tag:
             break
-    return out or None
+    return out
+
+
+def _param_of(loc: tuple) -> str | None:
+    return _path(loc, stop_at_tag=True) or None
+
+
+# pydantic error types that mean "not this JSON type", in plain words.
+_EXPECTED = {
+    "string_type": "a string", "int_type": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "bool_type": "a boolean", "list_type": "an array",
+    "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+    "none_required": "null",
+}
+
+
+def _json_type(value) -> str:
+    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                    (list, "array"), (dict, "object")):
+        if isinstance(value, t):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+_WORDS = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
+          "float": ("a number", "numbers"), "bool": ("a boolean", "booleans"),
+          "none": ("null", "nulls")}
+
+
+def _describe(tag: str, plural: bool = False) -> str:
+    """A union member's tag in words: ``list[list[int]]`` -> "an array of arrays of integers"."""
+    tag = tag.removeprefix("constrained-")  # pydantic's tag of an Annotated[str, Field(...)]
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _describe(tag[5:-1], plural=True)
+        return f"arrays of {inner}" if plural else f"an array of {inner}"
+    if tag.startswith("dict["):
+        return "objects" if plural else "an object"
+    if tag in _WORDS:
+        return _WORDS[tag][plural]
+    words = re.sub(r"(?<!^)(?=[A-Z])", " ", tag).lower()  # TextPart -> "text part"
+    return f"{words} objects" if plural else f"a {words} object"
+
+
+def _tag_of(loc: tuple) -> str | None:
+    return next((p for p in loc if isinstance(p, str) and p != "body" and not _is_field(p)), None)
+
+
+def _plain(e: dict) -> str:
+    kind = e.get("type")
+    if kind == "missing":
+        return "is required"
+    if kind in ("string_too_short", "too_short") and (e.get("ctx") or {}).get("min_length") == 1:
+        return "must not be empty"
+    return str(e.get("msg"))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One plain sentence for the first invalid field, and that field's name.
+
+    pydantic reports one error per member of a union (``messages.0.content.str`` and
+    ``messages.0.content.list[TextPart]``); the client sent one field, so they are read
+    together: a member whose type matched but whose value or inside is wrong names that
+    (``messages[0].content[0].type``), else the field gets the forms it may take."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -131,12 +198,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = _param_of(tuple(first.get("loc", ())))
-    if param is None and first.get("type") == "missing":
-        return "the request body is required (a JSON object)", None
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    msg = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-    if len(errors) > 1 and first.get("loc") and errors[1].get("loc", ())[:2] == first["loc"][:2]:
-        msg += f" (and {len(errors) - 1} more errors for this field)"
+    if param is None:
+        if first.get("type") == "missing":
+            return "the request body is required (a JSON object)", None
+        return f"the request body: {first.get('msg')}", None
+    group = [e for e in errors if _param_of(tuple(e.get("loc", ()))) == param]
+    tags = list(dict.fromkeys(t for e in group if (t := _tag_of(tuple(e["loc"]))) is not None))
+    # A member whose JSON type matched failed on its value or inside: that is the fault.
+    matched = [e for e in group if e.get("type") not in _EXPECTED]
+    got = f" (got {_json_type(first.get('input'))})"
+    if matched:
+        e = matched[0]
+        what = _plain(e)
+        msg = f"{_path(tuple(e['loc']), False)}: {what}"
+    elif len(tags) > 1:
+        kinds = [_describe(t) for t in tags]
+        msg = f"{param}: must be {', '.join(kinds[:-1])} or {kinds[-1]}{got}"
+    else:
+        msg = f"{param}: must be {_EXPECTED[first['type']]}{got}"
+    others = len({_param_of(tuple(e.get("loc", ()))) for e in errors}) - 1
+    if others:
+        msg += f" (and {others} more invalid field{'s' if others > 1 else ''})"
     return msg, param
 
 

@@ -86,6 +86,10 @@ def check_common(ctx: ServerContext, req: SamplingRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true",
                           param="stream_options")
+    try:
+        req.options().check_policy(ctx.engine.config.scheduling_policy)
+    except ValueError as e:
+        raise from_value_error(e) from None
 
 
 def reserve(ctx: ServerContext, num_seqs: int) -> Reservation:

@@ -9,6 +9,27 @@ Histograms approximate percentiles only to their bucket bounds; operators set SL
 so the p50/p95/p99 of TTFT, ITL and E2E over the last ``window_s`` seconds are also exposed
 exactly, as ``GET /stats`` JSON and as the gauges ``inflight:<name>_window{quantile=...}``.
 All durations are in seconds.
+
+Aborted requests, one rule for every series. A sequence that ends with ``abort`` (its client
+left, the server aborted it or shut down, load shedding) or ``error`` (the engine failed it)
+is a finished sequence: it counts once in ``request_success_total`` under that reason, as
+vLLM counts finished requests by finish reason, abort included. Beyond that:
+
+- Series of *work and token events* are recorded when the event happens, so they include
+  what an aborted request did before it ended: ``prompt_tokens_total`` (a prompt counts when
+  its prefill completes, at its first token), ``generation_tokens_total``, TTFT and ITL
+  (histograms and windows), ``iteration_tokens_total``, preemptions, prefix-cache and
+  recomputed-token counters.
+- Series of *per-request summaries*, recorded when a request finishes, take only requests
+  whose every sequence finished ``stop`` or ``length``: ``e2e_request_latency_seconds`` (and
+  its window), ``request_queue_time_seconds``, ``request_prefill_time_seconds``,
+  ``request_decode_time_seconds``, ``request_prompt_tokens`` and
+  ``request_generation_tokens``. An aborted request's length and duration are chosen by
+  whoever aborted it, not by the server, and would skew latency SLOs.
+
+Per-request histograms count user requests: a request with ``n > 1`` is one observation
+(its prompt once, the output tokens of all its sequences together), while
+``request_success_total`` counts each sequence.
 """
 
 from __future__ import annotations
@@ -30,6 +51,8 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
+# Fallback top of the token-count buckets when the engine does not say its max_model_len.
+_DEFAULT_MAX_MODEL_LEN = 131072
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -66,6 +89,19 @@ class SlidingWindow:
         return out
 
 
+def token_count_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``), for
+    per-request token-count histograms; always at least ``[1]``."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return buckets or [1]
+            buckets.append(m * scale)
+        scale *= 10
+
+
 def percentile(sorted_values: list[float], q: float) -> float | None:
     """The ``q`` quantile (0..1) of already sorted values, linear interpolation."""
     if not sorted_values:
@@ -99,7 +135,8 @@ class ServerMetrics:
 
     Args:
         engine_state: an object with ``get_stats() -> EngineStats`` and ``num_waiting``
-            (the ``AsyncEngine``); gauges read it at scrape time.
+            (the ``AsyncEngine``); gauges read it at scrape time. Its ``max_model_len``,
+            when it has one, tops the per-request token-count buckets.
         window_s: length of the percentile window, seconds.
         max_num_batched_tokens: upper bucket of ``inflight:iteration_tokens_total``.
         config_labels: labels of the ``inflight:engine_config_info`` metric.
@@ -117,7 +154,7 @@ class ServerMetrics:
                              "Time between consecutive output tokens of a sequence.",
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("inflight:e2e_request_latency_seconds",
-                             "Time from arrival to finish, finished (not aborted) requests.",
+                             "Time from arrival to finish, requests not aborted.",
                              buckets=_REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("inflight:request_queue_time_seconds",
                                     "Time from arrival to first scheduling.",
@@ -128,6 +165,15 @@ class ServerMetrics:
         self.decode_time = Histogram("inflight:request_decode_time_seconds",
                                      "Time from the first to the last token.",
                                      buckets=_REQUEST_BUCKETS, registry=r)
+        token_buckets = token_count_buckets(
+            getattr(engine_state, "max_model_len", None) or _DEFAULT_MAX_MODEL_LEN)
+        self.request_prompt_tokens = Histogram(
+            "inflight:request_prompt_tokens", "Prompt tokens per request, requests not aborted.",
+            buckets=token_buckets, registry=r)
+        self.request_generation_tokens = Histogram(
+            "inflight:request_generation_tokens",
+            "Output tokens per request (all its sequences), requests not aborted.",
+            buckets=token_buckets, registry=r)
         buckets = [1]
         while buckets[-1] < max_num_batched_tokens:
             buckets.append(buckets[-1] * 2)
@@ -147,10 +193,15 @@ class ServerMetrics:
                                          registry=r)
         self.preemptions = Counter("inflight:num_preemptions", "Preemptions.", registry=r)
         self.prefix_cache_queries = Counter(
-            "inflight:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            registry=r)
+            "inflight:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+            "(first admissions; readmissions after preemption are not counted).", registry=r)
         self.prefix_cache_hits = Counter(
-            "inflight:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+            "inflight:prefix_cache_hits", "Prompt tokens found in the prefix cache "
+            "(first admissions; readmissions after preemption are not counted).", registry=r)
+        self.recomputed_tokens = Counter(
+            "inflight:num_recomputed_tokens", "Tokens computed again after preemption "
+            "(those a preempted request had computed, less what the prefix cache gave back).",
+            registry=r)
         self.request_success = Counter(
             "inflight:request_success", "Finished sequences, by finish reason "
             "(stop, length, abort; error when the engine failed the request).",
@@ -169,6 +220,7 @@ class ServerMetrics:
         # Counter deltas start from now: an engine reused by a second app keeps its history.
         self._last_stats: EngineStats = engine_state.get_stats()
         self._first_token_seen: set[str] = set()
+        self._num_output_tokens: dict[str, int] = {}  # by user request, until it finishes
         self._last_emit: dict[tuple[str, int], float] = {}
         # Plain mirrors of the two token counters for /stats (ints: atomic to read).
         self._num_prompt_tokens = 0
@@ -184,6 +236,8 @@ class ServerMetrics:
             self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         if stats.prefix_cache_hits > last.prefix_cache_hits:
             self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        if stats.num_recomputed_tokens > last.num_recomputed_tokens:
+            self.recomputed_tokens.inc(stats.num_recomputed_tokens - last.num_recomputed_tokens)
         if stats.num_steps > last.num_steps:
             self.iteration_tokens.observe(stats.prompt_tokens + stats.generation_tokens
                                           - last.prompt_tokens - last.generation_tokens)
@@ -203,6 +257,7 @@ class ServerMetrics:
         for c in out.outputs:
             n = len(c.token_ids)
             if n:
+                self._num_output_tokens[rid] = self._num_output_tokens.get(rid, 0) + n
                 self.generation_tokens.inc(n)
                 self._num_generation_tokens += n
                 key = (rid, c.index)
@@ -222,8 +277,13 @@ class ServerMetrics:
             self._first_token_seen.discard(rid)
             for key in [k for k in self._last_emit if k[0] == rid]:
                 del self._last_emit[key]
+            num_output_tokens = self._num_output_tokens.pop(rid, 0)
             aborted = out.error or any(c.finish_reason == "abort" for c in out.outputs)
-            if m is not None and not aborted and m.finished_time is not None:
+            if aborted:
+                return  # per-request summaries leave aborted requests out (module docstring)
+            self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            self.request_generation_tokens.observe(num_output_tokens)
+            if m is not None and m.finished_time is not None:
                 self._observe_latencies(m, now)
 
     def _observe_latencies(self, m, now: float) -> None:
@@ -260,4 +320,5 @@ class ServerMetrics:
             "num_steps": s.num_steps,
             "prefix_cache_queries_total": s.prefix_cache_queries,
             "prefix_cache_hits_total": s.prefix_cache_hits,
+            "num_recomputed_tokens_total": s.num_recomputed_tokens,
         }

@@ -1,4 +1,5 @@
-"""ASGI middleware: a cap on request body size (413 with OpenAI's error body).
+"""ASGI middleware: the API key check, admission under overload and a cap on request body
+size (401, 503 and 413 with OpenAI's error body), all before the body is parsed.
 
 Pure ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would buffer streamed
 responses and hide client disconnects from the routes.
@@ -7,8 +8,65 @@ responses and hide client disconnects from the routes.
 from __future__ import annotations
 
 import json
+import secrets
+from collections.abc import Callable
 
-from inflight.server.errors import error_body
+from inflight.errors import EngineError
+from inflight.server.errors import error_body, to_openai
+
+
+class ApiKeyMiddleware:
+    """401 unless ``Authorization: Bearer <api_key>`` on the paths ``protected(path)`` names.
+
+    Checked ahead of the route, so a wrong key gets 401 whatever the body holds (malformed
+    JSON, a huge body): a route dependency would run only after FastAPI parsed the body,
+    and its 400 or 413 would tell an unauthenticated client about the API (vLLM checks
+    the key in a middleware too).
+    """
+
+    def __init__(self, app, api_key: str, protected: Callable[[str], bool]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.protected = protected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.protected(scope["path"]):
+            got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.expected):
+                await _reply(send, 401, "Incorrect or missing API key (send Authorization: "
+                             "Bearer <key>).", code="invalid_api_key",
+                             headers=[(b"www-authenticate", b"Bearer")])
+                return
+        await self.app(scope, receive, send)
+
+
+class AdmissionMiddleware:
+    """503 (``Retry-After``) for a generation request while the engine has no room for even
+    one more sequence, before its body is read: under a burst, refusals cost a lock and a
+    few comparisons instead of JSON parsing, validation, templating and tokenizing, and do
+    not wait behind the accepted requests' work. The route's own ``reserve`` still decides
+    for the request's real size (``n``, several prompts) once the body is parsed.
+
+    Args:
+        app: the ASGI app.
+        refusal: ``AsyncEngine.refusal``: the error a one-sequence request would get now,
+            else None.
+        paths: the routes that queue sequences.
+    """
+
+    def __init__(self, app, refusal: Callable[[], EngineError | None],
+                 paths: frozenset[str]) -> None:
+        self.app = app
+        self.refusal = refusal
+        self.paths = paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+            error = self.refusal()
+            if error is not None:
+                await to_openai(error).response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodySizeLimitMiddleware:
@@ -62,10 +120,11 @@ class BodySizeLimitMiddleware:
                      code="request_too_large")
 
 
-async def _reply(send, status: int, message: str, code: str | None = None) -> None:
+async def _reply(send, status: int, message: str, code: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
     payload = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(headers or [])]})
     await send({"type": "http.response.body", "body": payload})

@@ -23,14 +23,29 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 
 
+# Value ranges are declared here so /openapi.json says what the server accepts (a client or
+# a fuzzer learns them there); SamplingParams checks them again for the offline API.
+# The app's OpenAPI document fills in this server's bounds where these marks stand
+# (app._openapi): the vocabulary size and max_model_len.
+TOKEN_ID_MARK = "x-inflight-token-id"
+MAX_TOKENS_MARK = "x-inflight-max-tokens"
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopString = NonEmptyStr
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={MAX_TOKENS_MARK: True})]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+    """``stream_options`` (OpenAI's): ``include_usage`` adds a last chunk with ``usage`` and no
+    choices, and ``"usage": null`` on every other chunk; vLLM's ``continuous_usage_stats``
+    (with ``include_usage``) puts the running usage on every chunk instead."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 # OpenAI / vLLM request fields this server does not implement. Sent with a value that
@@ -39,7 +54,7 @@ class StreamOptions(_Strict):
 UNSUPPORTED_FIELDS = frozenset({
     "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "structured_outputs", "functions",
-    "function_call", "tool_choice", "echo", "suffix", "best_of", "chat_template",
+    "function_call", "tools", "tool_choice", "echo", "suffix", "best_of", "chat_template",
     "chat_template_kwargs", "continue_final_message", "prompt_logprobs", "logits_processors",
     "audio", "modalities", "prediction", "bad_words", "allowed_token_ids",
 })
@@ -47,7 +62,7 @@ UNSUPPORTED_FIELDS = frozenset({
 
 def _is_inert(name: str, value, n: int) -> bool:
     """Whether an unsupported field's value asks for nothing beyond the defaults."""
-    if value in (None, False, {}, []):
+    if value is None or value is False or value in ("", {}, []):
         return True
     if name == "response_format":
         return isinstance(value, dict) and value.get("type") == "text"
@@ -68,26 +83,26 @@ class SamplingRequest(_Strict):
                 if k in UNSUPPORTED_FIELDS and not _is_inert(k, v, self.n)]
 
     model: str | None = Field(None, description="a served model name; None: the first one")
-    max_tokens: int | None = Field(
+    max_tokens: MaxTokens | None = Field(
         None, description="output tokens per choice; None: up to max_model_len")
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     # A signed 64-bit integer, as OpenAI documents; torch's generators take no wider seed.
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: str | None = None
     # vLLM's extra sampling parameters.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Annotated[int, Field(ge=-1, description="-1 or 0: disabled")] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, description="at most max_tokens")] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Scheduling (vLLM's ``priority``; inflight's latency targets for --scheduling-policy slo).
@@ -110,12 +125,10 @@ class CompletionRequest(SamplingRequest):
     supported and answered with 400.
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 class TextPart(_Strict):
@@ -129,10 +142,11 @@ class ChatMessage(_Strict):
     """One chat message; list content is joined into one string (text parts only)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # Required: with no tool calls there is nothing else a message could carry.
+    content: str | list[TextPart]
     name: str | None = None
 
-    def text(self) -> str | None:
+    def text(self) -> str:
         if isinstance(self.content, list):
             return "\n".join(p.text for p in self.content)
         return self.content
@@ -148,11 +162,10 @@ class ChatCompletionRequest(SamplingRequest):
     """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    tools: list[dict] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -173,4 +186,4 @@ class DetokenizeRequest(_Strict):
     """``POST /detokenize`` (vLLM): token ids to text."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

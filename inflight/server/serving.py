@@ -22,6 +22,7 @@ from inflight.server.generation import (Generation, ServerContext, build_samplin
                                         encode, reserve)
 from inflight.server.logprobs import chat_logprobs, completion_logprobs
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.tokenizer import ChatTemplateError
 
 
 # --- completions --------------------------------------------------------------------------
@@ -29,14 +30,6 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
                              arrival_time: float) -> Generation:
     """Validate and tokenize a completions body (raises ``OpenAIError``)."""
     check_common(ctx, req)
-    if req.echo:
-        raise bad_request("echo is not supported", param="echo")
-    if req.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of other than n is not supported", param="best_of")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     raw: list[str] | list[list[int]] | list[str | list[int]]
     if isinstance(req.prompt, str):
         raw = [req.prompt]
@@ -98,16 +91,32 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-async def _sse_stream(gen: Generation, req, obj: str, choice) -> AsyncIterator[str]:
-    """The SSE loop both routes share: one event per visible choice delta, an error event
-    if the engine fails mid-stream (the 200 is sent), a usage chunk if asked, ``[DONE]``.
+async def _sse_stream(gen: Generation, req, obj: str, choice,
+                      opening: list[dict] | None = None) -> AsyncIterator[str]:
+    """The SSE loop both routes share: the ``opening`` choices (chat's role chunks), one
+    event per visible choice delta, an error event if the engine fails mid-stream (the 200
+    is sent), a usage chunk if asked, ``[DONE]``.
 
     ``choice(prompt_index, completion)`` builds one choice dict, or None for a delta a
-    client could not see (a held-back partial character).
+    client could not see (a held-back partial character). Usage follows OpenAI's
+    ``stream_options.include_usage`` (``"usage": null`` on every chunk but the last, which
+    has no choices) and vLLM's ``continuous_usage_stats`` (the running usage on every chunk).
     """
+    opts = req.stream_options
+    include_usage = opts is not None and opts.include_usage
+    continuous = include_usage and opts.continuous_usage_stats
     completion_tokens = 0
     base = {"id": gen.request_id, "object": obj, "created": gen.created,
             "model": gen.ctx.model_name}
+
+    def chunk(choices: list[dict]) -> str:
+        body = {**base, "choices": choices}
+        if include_usage:
+            body["usage"] = _usage(gen.num_prompt_tokens, completion_tokens) if continuous else None
+        return sse(body)
+
+    for body in opening or ():
+        yield chunk([body])
     async for i, out in _guard(gen):
         if isinstance(out, OpenAIError):
             yield sse(out.body())
@@ -117,8 +126,8 @@ async def _sse_stream(gen: Generation, req, obj: str, choice) -> AsyncIterator[s
             completion_tokens += len(c.token_ids)
             body = choice(i, c)
             if body is not None:
-                yield sse({**base, "choices": [body]})
-    if req.stream_options is not None and req.stream_options.include_usage:
+                yield chunk([body])
+    if include_usage:
         yield sse({**base, "choices": [], "usage": _usage(gen.num_prompt_tokens, completion_tokens)})
     yield sse("[DONE]")
 
@@ -155,8 +164,6 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
                        arrival_time: float) -> Generation:
     """Validate a chat body, render the chat template and tokenize (raises ``OpenAIError``)."""
     check_common(ctx, req)
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools")
     messages = render_messages(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
@@ -169,11 +176,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
     reservation = reserve(ctx, req.n)
     try:
         tok = ctx.engine.tokenizer
-        try:
-            text = await asyncio.to_thread(tok.apply_chat_template, messages,
-                                           add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise bad_request(str(e), param="messages") from None
+        text = await render_chat(ctx, messages, req.add_generation_prompt)
         ids = await encode(ctx, text, "messages", add_special_tokens=False)
         if not ids:
             raise bad_request("messages: the rendered prompt is empty", param="messages")
@@ -188,14 +191,29 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         raise
 
 
+async def render_chat(ctx: ServerContext, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The prompt text of ``messages`` through the model's chat template, off the event loop.
+
+    Raises:
+        OpenAIError: 400 for a conversation the template refuses (its ``raise_exception``:
+            the client's fault); 500 ``chat_template_error`` when the template itself fails
+            (unsafe, too slow, too large, broken: the model's fault). The message is the
+            tokenizer's fixed sentence; the sandbox's detail stays in the server's log.
+    """
+    try:
+        return await asyncio.to_thread(ctx.engine.tokenizer.apply_chat_template, messages,
+                                       add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError as e:
+        raise OpenAIError(500, str(e), code="chat_template_error") from None
+    except ValueError as e:
+        raise bad_request(str(e), param="messages") from None
+
+
 def render_messages(messages) -> list[dict]:
-    """Plain dicts for the chat template; 400 for a message without content."""
+    """Plain dicts for the chat template."""
     out = []
-    for i, m in enumerate(messages):
-        text = m.text()
-        if text is None:
-            raise bad_request(f"messages[{i}].content: is required", param=f"messages[{i}].content")
-        d = {"role": m.role, "content": text}
+    for m in messages:
+        d = {"role": m.role, "content": m.text()}
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
@@ -221,18 +239,16 @@ def chat_response(gen: Generation, req: ChatCompletionRequest,
 def stream_chat(gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[str]:
     """SSE ``chat.completion.chunk`` events, usage chunk if asked, then ``[DONE]``.
 
-    The first chunk of each choice carries ``role: assistant`` with its first text."""
+    Each choice opens with a chunk carrying the role alone (``{"role": "assistant",
+    "content": ""}``), as OpenAI and vLLM send it; text follows in ``content`` deltas."""
     tt = gen.ctx.token_texts
-    started: set[int] = set()
 
     def choice(_: int, c) -> dict | None:
         if not c.text and c.finish_reason is None and not req.logprobs:
             return None
-        delta: dict = {"content": c.text}
-        if c.index not in started:
-            started.add(c.index)
-            delta = {"role": "assistant", **delta}
-        return {"index": c.index, "delta": delta,
+        return {"index": c.index, "delta": {"content": c.text},
                 "logprobs": chat_logprobs(tt, c, req.top_logprobs or 0) if req.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-    return _sse_stream(gen, req, "chat.completion.chunk", choice)
+    opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None} for i in range(gen.n)]
+    return _sse_stream(gen, req, "chat.completion.chunk", choice, opening)

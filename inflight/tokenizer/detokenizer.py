@@ -113,8 +113,9 @@ class IncrementalDetokenizer:
         before it, or just after it with ``include_stop_str_in_output``), else ``None``. When
         several stop strings appear, the one starting earliest wins. Once a stop matched, later
         calls change nothing and return that stop string again. With ``check_stop=False``
-        (before ``min_tokens``, as vLLM) the text grows and no stop string is looked for; a
-        later check finds only matches that end in text added then.
+        (while the output has at most ``min_tokens`` tokens, vLLM v1's rule) the text grows
+        and no stop string is looked for; a later check finds only matches that end in text
+        added then, though they may start in text added before.
         """
         if self.matched_stop is not None:
             return self.matched_stop

@@ -90,7 +90,7 @@ class Tokenizer:
             return tid if isinstance(tid, int) and 0 <= tid < len(tokens) else None
 
         vocab = backend.get_vocab(with_added_tokens=True)
-        extra = {token_id(k) for k in ("eot_token_id", "eom_token_id")} - {None}
+        extra = {t for k in ("eot_token_id", "eom_token_id") if (t := token_id(k)) is not None}
         extra |= {vocab[t] for t in EOG_TOKEN_TEXTS if t in vocab}
         special = {name: tokens[tid] if (tid := token_id(key)) is not None else None
                    for name, key in (("unk_token", "unknown_token_id"),
@@ -122,7 +122,8 @@ class Tokenizer:
             names[name] = _token_content(config.get(name)) or _token_content(special_map.get(name))
 
         def tid(name: str) -> int | None:
-            return backend.token_to_id(names[name]) if names[name] else None
+            token = names[name]
+            return backend.token_to_id(token) if token else None
 
         if "add_bos_token" in config or "add_eos_token" in config:
             # transformers rebuilds the post-processor from these flags (update_post_processor).
@@ -161,7 +162,7 @@ class Tokenizer:
         ids = ids if isinstance(ids, list) else [int(i) for i in ids]  # numpy / torch ids too
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
         """Vocabulary strings (byte-level spelling, e.g. ``'Ġworld'``) of ``ids``; an id out of
         range yields ``None``, as in ``tokenizers``."""
         return [self.backend.id_to_token(int(i)) for i in ids]
@@ -177,7 +178,14 @@ class Tokenizer:
         Same output as transformers' ``apply_chat_template(..., tokenize=False)``; the special
         token names (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``) are visible to the
         template and ``kwargs`` override them. Pass ``chat_template=`` to use another template.
-        Raises ``ValueError`` (see :func:`inflight.tokenizer.chat.render_chat_template`).
+        The render is bounded in time and size (:mod:`inflight.tokenizer.chat`).
+
+        Raises:
+            ValueError: malformed ``messages`` or no template; the client's fault (400).
+            ConversationRejectedError: the template's ``raise_exception(...)`` refused the
+                conversation; the client's fault (a ``ValueError``, 400).
+            ChatTemplateError: the template failed (sandbox escape, time or size bound,
+                recursion, any other error); the model's fault (not a ``ValueError``, 500).
         """
         template = kwargs.pop("chat_template", None) or self.chat_template
         context = {**self.special_tokens_map, **kwargs}

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -31,13 +32,16 @@ def _healthy(url: str, proc: subprocess.Popen) -> bool:
         return False
 
 
-def test_serve_sigterm_aborts_running_stream_and_exits_cleanly():
+GRACE_S = 2.0
+
+
+def test_serve_sigterm_drains_then_aborts_and_exits_in_time():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "INFLIGHT_API_KEY": "secret"}
     cmd = [sys.executable, "-m", "inflight.cli", "serve", "--port", str(port),
            "--served-model-name", "m", "--num-kv-blocks", "128", "--max-model-len", "1024",
-           "--max-num-seqs", "4", "--shutdown-timeout", "1"]
+           "--max-num-seqs", "4", "--shutdown-timeout", str(GRACE_S)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: _healthy(url, proc), timeout=90, interval=0.2, what="the server")
@@ -52,12 +56,25 @@ def test_serve_sigterm_aborts_running_stream_and_exits_cleanly():
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            # During the drain the port stays open: health and new requests hear why.
+            health = wait_until(lambda: _status(url + "/health", "GET"), timeout=GRACE_S / 2,
+                                interval=0.02, what="/health to answer 503")
+            assert health.status_code == 503
+            assert health.json()["error"]["code"] == "server_unavailable"
+            refused = httpx.post(url + "/v1/completions", headers=auth, timeout=5,
+                                 json={"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert time.monotonic() - signalled < GRACE_S, "probes ran past the drain"
+            assert refused.status_code == 503
+            assert "shutting down" in refused.json()["error"]["message"]
             rest = [line for line in lines if line]
         # The stream was not cut: after the grace period it ended as aborted, then [DONE].
         assert rest[-1] == "data: [DONE]"
         last = json.loads(rest[-2].removeprefix("data: "))
         assert last["choices"][0]["finish_reason"] == "abort"
         assert proc.wait(timeout=30) == 0
+        exit_s = time.monotonic() - signalled
+        assert exit_s < GRACE_S + 1.0, f"exit took {exit_s:.2f} s"
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=2)
     finally:
@@ -66,3 +83,10 @@ def test_serve_sigterm_aborts_running_stream_and_exits_cleanly():
             proc.wait(10)
         log = proc.stdout.read().decode(errors="replace")
     assert "serving m on" in log, log
+    assert "shutdown: 0 requests finished during the" in log and "drain, 1 aborted" in log, log
+
+
+def _status(url: str, method: str) -> httpx.Response | None:
+    """The response if it is a 503, None while the server still answers 200."""
+    r = httpx.request(method, url, timeout=2)
+    return r if r.status_code == 503 else None

@@ -91,7 +91,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-3]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-3]}, 400, "stop_token_ids[0]"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),

@@ -46,9 +46,6 @@ def test_request_waiting_past_max_queue_time_gets_503(served):
     t.join(120)
     assert long_one["r"].status_code == 200
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
-    r = httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": "Quick question", "max_tokens": 4, "ttft_slo": 5, "itl_slo": 1})
-    assert r.status_code == 200
     bad = httpx.post(url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "x", "ttft_slo": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttft_slo"

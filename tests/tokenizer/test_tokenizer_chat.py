@@ -8,7 +8,8 @@ import pytest
 from jinja2.exceptions import SecurityError
 
 from inflight.model.bundled import find_bundled_model
-from inflight.tokenizer import Tokenizer, render_chat_template
+from inflight.tokenizer import (ChatTemplateError, ConversationRejectedError, Tokenizer,
+                                render_chat_template)
 
 # Exercises what real templates use: tools + tojson, namespace, loop controls, is string/defined
 # tests, raise_exception, {% generation %}, template kwargs, and trim/lstrip_blocks whitespace.
@@ -132,14 +133,16 @@ def render(template: str, messages=({"role": "user", "content": "x"},), **kwargs
     "{{ namespace(__dict__=1) }}",
 ])
 def test_sandbox_escape_is_refused(template: str) -> None:
-    with pytest.raises(ValueError, match="sandbox") as info:
+    # The model's fault, not the client's: not a ValueError, and no sandbox wording for clients.
+    with pytest.raises(ChatTemplateError, match="unsafe attribute") as info:
         render(template)
+    assert not isinstance(info.value, ValueError) and info.value.reason == "unsafe"
     assert isinstance(info.value.__cause__, SecurityError)
 
 
 def test_helpers() -> None:
     assert render("{{ raise_exception is defined }}") == "True"
-    with pytest.raises(ValueError, match="Only user and assistant roles"):
+    with pytest.raises(ConversationRejectedError, match="^Only user and assistant roles"):
         render("{{ raise_exception('Only user and assistant roles are supported') }}")
     assert render("{{ strftime_now('%Y') }}") == str(datetime.datetime.now().year)
     assert render("{{ {'k': 'é<&>'} | tojson }}") == '{"k": "é<&>"}'
@@ -154,14 +157,20 @@ def test_trim_and_lstrip_blocks() -> None:
         == "[a]\n[b]\n"
 
 
-@pytest.mark.parametrize("template, match", [
-    ("{% for m in messages %}", "invalid chat template"),
-    ("{{ messages[0].content + 1 }}", "chat template error"),
-    (None, "no chat template"),
-    ("", "no chat template"),
+@pytest.mark.parametrize("template, reason, match", [
+    ("{% for m in messages %}", "invalid", "does not compile"),
+    ("{{ messages[0].content + 1 }}", "error", "raised TypeError"),
+    ("{{ messages[0].nope.deeper }}", "error", "raised UndefinedError"),
 ])
-def test_bad_templates(template, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_broken_templates_are_the_models_fault(template, reason: str, match: str) -> None:
+    with pytest.raises(ChatTemplateError, match=match) as info:
+        render(template)
+    assert info.value.reason == reason
+
+
+@pytest.mark.parametrize("template", [None, ""])
+def test_no_template(template) -> None:
+    with pytest.raises(ValueError, match="no chat template"):
         render(template)
 
 
