@@ -135,3 +135,23 @@ def test_wrong_types_are_named_in_plain_words(url, path, body, param, message):
     assert r.status_code == 400
     err = r.json()["error"]
     assert (err["param"], err["message"]) == (param, message)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # a sandbox escape
+    "{% for m in messages %}{{ m.content.nope.deeper }}{% endfor %}",  # a broken template
+])
+def test_a_failing_chat_template_is_the_servers_500_not_the_clients_400(url, base_engine,
+                                                                       monkeypatch, template):
+    # The template changed under a running server (start-up would have refused the unsafe
+    # one): what a client sees when the model's template, not its request, is at fault.
+    monkeypatch.setattr(base_engine.tokenizer, "chat_template", template)
+    r = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=30, json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 2})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("server_error", "chat_template_error", None)
+    assert err["message"].startswith("the model's chat template failed")
+    assert "__" not in err["message"] and "jinja" not in err["message"].lower()
+    tok = httpx.post(url + "/tokenize", timeout=30, json={"messages": CHAT})
+    assert tok.status_code == 500 and tok.json()["error"]["code"] == "chat_template_error"
