@@ -30,6 +30,7 @@ from typing import Any
 from inflight.config import EngineConfig
 from inflight.engine.commands import Abort, AbortAll, AddRequest, Call, Command
 from inflight.engine.engine import Engine
+from inflight.engine.memory import HeapTrimmer
 from inflight.engine.stats import EngineStats, StatsLogger
 from inflight.engine.stream import RequestStream
 from inflight.errors import (EngineDeadError, EngineError, EngineOverloadedError,
@@ -94,6 +95,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
+        self.heap = HeapTrimmer()  # freed step tensors go back to the OS (engine/memory.py)
         self._dead: str | None = None
         # Times the loop waited (idle, or after a step that did nothing): a step log keeps
         # only steps that followed one another directly.
@@ -346,6 +348,7 @@ class AsyncEngine:
                     self._publish_stats([], did_step=False)
                     if self._stopping:
                         break
+                    self.heap.maybe(idle=True)
                     self.num_waits += 1
                     self._wake.wait()
                     continue
@@ -362,6 +365,7 @@ class AsyncEngine:
                 failures = 0
                 self._deliver(outputs)
                 self._publish_stats(outputs, did_step=True)
+                self.heap.maybe(idle=False)
                 if not outputs and self._stats.num_steps == steps_before:
                     self.num_waits += 1
                     self._wake.wait(IDLE_POLL_S)

@@ -195,3 +195,21 @@ def test_an_unread_stream_holds_one_merged_output_not_a_backlog():
     assert len(items) == 1 and items[0].finished
     assert items[0].outputs[0].token_ids == list(range(201))
     assert items[0].outputs[0].text == "".join(f"t{i} " for i in range(201))
+
+
+def test_the_heap_is_trimmed_when_idle_and_at_a_longer_interval_when_busy():
+    from inflight.engine.memory import HeapTrimmer
+
+    now = [100.0]
+    calls = []
+    heap = HeapTrimmer(idle_interval_s=5, busy_interval_s=60, clock=lambda: now[0],
+                       trim=lambda: calls.append(now[0]) or 1)
+    assert not heap.maybe(idle=True)  # 0 s since construction
+    now[0] = 105.0
+    assert heap.maybe(idle=True) and calls == [105.0]
+    now[0] = 140.0
+    assert not heap.maybe(idle=False)  # busy: 35 s < 60 s
+    assert heap.maybe(idle=True)  # idle: 35 s >= 5 s
+    now[0] = 200.0
+    assert heap.maybe(idle=False) and calls == [105.0, 140.0, 200.0]
+    assert heap.num_trims == 3
