@@ -194,7 +194,7 @@ class AsyncEngine:
         capacity = self.engine.config.max_num_seqs + self.max_num_waiting
         if num_seqs > capacity:
             raise RequestTooLargeError(
-                f"n: {num_seqs} sequences can never be queued at once; this server runs at most "
+                f"n: {num_seqs} sequences (prompts x n) can never be queued at once; this server runs at most "
                 f"max_num_seqs + max_num_waiting = {capacity}")
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],

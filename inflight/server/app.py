@@ -144,6 +144,11 @@ def _openapi(app: FastAPI, engine: AsyncEngine, model_names: Sequence[str]) -> d
             for v in node:
                 bound(v)
     bound(schemas)
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            for param in op.get("parameters", []):
+                if param.get("name") == "model_id":
+                    param["schema"] = {"type": "string", "enum": list(model_names)}
     policy = engine.config.scheduling_policy
     ignored = [f for p, fields in _POLICY_FIELDS.items() if p != policy for f in fields]
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
@@ -245,6 +250,15 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
             {"id": name, "object": "model", "created": created, "owned_by": "inflight",
              "root": ctx.model_name, "max_model_len": ctx.engine.max_model_len}
             for name in ctx.model_names]}
+
+    @router.get("/models/{model_id:path}", operation_id="retrieve_model", response_model=None,
+                responses={200: {"model": R.ModelCard}, **R.errors(401, 404)})
+    async def model(model_id: str) -> dict:
+        """OpenAI's model retrieval: one served name, else 404 ``model_not_found``."""
+        ctx.check_model(model_id)
+        return {"id": model_id, "object": "model", "created": int(time.time()),
+                "owned_by": "inflight", "root": ctx.model_name,
+                "max_model_len": ctx.engine.max_model_len}
 
     @router.post("/completions", operation_id="create_completion", response_model=None, responses={
         **R.streamed(R.CompletionResponse, "the completion, or its chunks as events"),

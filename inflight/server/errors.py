@@ -207,10 +207,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # A member whose JSON type matched failed on its value or inside: that is the fault.
     matched = [e for e in group if e.get("type") not in _EXPECTED]
     got = f" (got {_json_type(first.get('input'))})"
+    # Members whose container type matched (an array for an array) but whose element did
+    # not: the element is at fault, with the forms it may take there.
+    inside = [e for e in group if len(_path(tuple(e["loc"]), False)) > len(param)]
     if matched:
         e = matched[0]
-        what = _plain(e)
-        msg = f"{_path(tuple(e['loc']), False)}: {what}"
+        param = _path(tuple(e["loc"]), False)
+        msg = f"{param}: {_plain(e)}"
+    elif inside:
+        param = _path(tuple(inside[0]["loc"]), False)
+        at = [e for e in inside if _path(tuple(e["loc"]), False) == param]
+        kinds = list(dict.fromkeys(_EXPECTED[e["type"]] for e in at))
+        words = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+        msg = f"{param}: must be {words} (got {_json_type(at[0].get('input'))})"
     elif len(tags) > 1:
         kinds = [_describe(t) for t in tags]
         msg = f"{param}: must be {', '.join(kinds[:-1])} or {kinds[-1]}{got}"

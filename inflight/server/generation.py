@@ -86,6 +86,8 @@ def check_common(ctx: ServerContext, req: SamplingRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true",
                           param="stream_options")
+    if req.stop_token_ids:
+        check_token_ids(ctx, req.stop_token_ids, "stop_token_ids")
     try:
         req.options().check_policy(ctx.engine.config.scheduling_policy)
     except ValueError as e:

@@ -115,9 +115,13 @@ def test_a_wrong_key_gets_401_whatever_the_body(url, content, headers):
      "messages[0].content",
      "messages[0].content: must be a string or an array of text part objects (got integer)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content", "messages[0].content[0].type: Input should be 'text'"),
+     "messages[0].content[0].type", "messages[0].content[0].type: Input should be 'text'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-     "messages[0].content", "messages[0].content[0].text: is required"),
+     "messages[0].content[0].text", "messages[0].content[0].text: is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "messages[0].content[0].text", "messages[0].content[0].text: must be a string (got integer)"),
+    ("/v1/completions", {"prompt": [1.5]}, "prompt[0]",
+     "prompt[0]: must be a string, an integer or an array (got number)"),
     ("/v1/completions", {"prompt": 5}, "prompt",
      "prompt: must be a string, an array of strings, an array of integers or an array of "
      "arrays of integers (got integer)"),
@@ -155,3 +159,17 @@ def test_a_failing_chat_template_is_the_servers_500_not_the_clients_400(url, bas
     assert "__" not in err["message"] and "jinja" not in err["message"].lower()
     tok = httpx.post(url + "/tokenize", timeout=30, json={"messages": CHAT})
     assert tok.status_code == 500 and tok.json()["error"]["code"] == "chat_template_error"
+
+
+def test_a_model_is_retrieved_by_its_name(url):
+    r = httpx.get(url + f"/v1/models/{MODEL}", headers=AUTH, timeout=10)
+    assert r.status_code == 200 and r.json()["id"] == MODEL and r.json()["object"] == "model"
+    missing = httpx.get(url + "/v1/models/gpt-9", headers=AUTH, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(url, base_engine):
+    vocab = base_engine.tokenizer.vocab_size
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=10, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "stop_token_ids": [vocab]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"

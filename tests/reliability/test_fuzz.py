@@ -77,6 +77,8 @@ def test_every_route_answers_as_documented(api_schema):
 
 def test_after_the_fuzz_the_server_is_clean_and_serves(fuzzed):
     srv, engine, async_engine = fuzzed
+    print("\nfuzz: " + "; ".join(f"{label}: {dict(sorted(c.items()))}"
+                                 for label, c in sorted(statuses.items())))
     gen = {label: c for label, c in statuses.items() if "completions" in label}
     assert gen, "the fuzz did not reach the generation routes"
     for label, counts in gen.items():
