@@ -145,11 +145,17 @@ class AsyncEngine:
         why instead of finding the port closed (idempotent)."""
         self._draining = True
 
-    def _check_accepting(self) -> None:
-        if self._draining and self.is_running:
-            raise EngineDeadError("the server is shutting down; retry on another replica")
+    def _not_accepting(self) -> EngineDeadError | None:
         if not self.is_running:
-            raise EngineDeadError(self._dead or "the engine is not running")
+            return EngineDeadError(self._dead or "the engine is not running")
+        if self._draining:
+            return EngineDeadError("the server is shutting down; retry on another replica")
+        return None
+
+    def _check_accepting(self) -> None:
+        error = self._not_accepting()
+        if error is not None:
+            raise error
 
     def get_stats(self) -> EngineStats:
         """The engine's stats as of the end of the last loop iteration (never blocks)."""
@@ -271,11 +277,9 @@ class AsyncEngine:
         comparisons): a request that would get 503 should not first be parsed, templated
         and tokenized.
         """
-        if not self.is_accepting:
-            try:
-                self._check_accepting()
-            except EngineError as e:
-                return e
+        error = self._not_accepting()
+        if error is not None:
+            return error
         with self._lock:
             return self._overload(num_seqs)
 
