@@ -13,6 +13,7 @@ import torch
 
 from inflight.config import (DEFAULT_KV_CACHE_MEMORY_CAP, DEFAULT_KV_CACHE_MEMORY_FRACTION,
                              EngineConfig)
+from inflight.engine.memory import bound_primitive_caches
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model
@@ -210,6 +211,7 @@ def load(config: EngineConfig) -> LoadedModel:
             pool holds (``resolve_max_model_len``), or a bad device.
         FileNotFoundError: no such model.
     """
+    bound_primitive_caches()  # before the first GEMM: read once, when oneDNN starts
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
