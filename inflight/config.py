@@ -15,6 +15,8 @@ from inflight.core.queue_policy import SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# --quantization (vLLM's flag): model/quant.py; resolved by engine/loading.py.
+QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1")
 DEVICES = ("auto", "cpu", "cuda")
 # Share of available RAM (CPU) or free device memory (CUDA) given to the KV cache when
 # neither ``kv_cache_memory_bytes`` nor ``num_kv_blocks`` is set.
@@ -31,6 +33,11 @@ class EngineConfig:
         model: a ``.gguf`` file or HF model directory; None loads the bundled SmolLM2-135M.
         dtype: weights/activations: ``float32``, ``bfloat16`` or ``auto``.
         kv_cache_dtype: KV cache element type; ``auto`` follows ``dtype``.
+        quantization: weights of the linear layers for decode steps of a few rows:
+            ``gguf`` keeps a GGUF file's own block formats (Q8_0, Q4_0, Q4_1); ``q8_0``,
+            ``q4_0``, ``q4_1`` quantize every linear layer to one; ``none`` keeps them
+            dense; ``auto`` is ``gguf`` for a GGUF file on CPU, else ``none``
+            (``inflight.model.quant``, ``inflight.engine.loading.resolve_quantization``).
         device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
         block_size: tokens per KV block.
         num_kv_blocks: KV pool size in blocks; overrides ``kv_cache_memory_bytes``.
@@ -63,6 +70,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -93,6 +101,8 @@ class EngineConfig:
         check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
               f"must be one of {KV_CACHE_DTYPES}")
+        check(self.quantization in QUANTIZATIONS, "quantization",
+              f"must be one of {QUANTIZATIONS}")
         check(self.device in DEVICES, "device", f"must be one of {DEVICES}")
         check(self.block_size >= 1, "block_size", "must be >= 1")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
@@ -121,6 +131,10 @@ class EngineConfig:
                        "(default: the bundled SmolLM2-135M-Instruct GGUF)")
         g.add_argument("--dtype", default="auto", choices=DTYPES)
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+        g.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
+                       help="linear-layer weights for decode: gguf keeps a GGUF file's own "
+                            "Q8_0/Q4_0/Q4_1 blocks, q8_0/q4_0/q4_1 quantize to one, none "
+                            "keeps them dense; auto: gguf for a GGUF file on CPU, else none")
         g.add_argument("--device", default="auto", choices=DEVICES)
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--num-kv-blocks", type=int, default=None,

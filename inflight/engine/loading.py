@@ -16,7 +16,7 @@ from inflight.config import (DEFAULT_KV_CACHE_MEMORY_CAP, DEFAULT_KV_CACHE_MEMOR
 from inflight.engine.memory import bound_primitive_caches
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
-from inflight.model.loader import load_model
+from inflight.model.loader import load_model, read_gguf_blocks
 from inflight.runner import ModelRunner, kv_block_bytes
 from inflight.sampler import Sampler
 
@@ -46,25 +46,62 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has native bfloat16 dot products: the ``avx512_bf16`` (AVX512-BF16,
+    ``vdpbf16ps``) or ``amx_bf16`` (AMX) flag in Linux's ``/proc/cpuinfo``. False where the
+    file is missing or unreadable (another OS): float32 is the safe default there."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA; float32 on CPU. On this CPU bfloat16 steps are ~1.5x
-    faster, but bfloat16 greedy output left HF's bfloat16 reference within 32 tokens on 4 of
-    8 MT-Bench prompts (rounding happens at different points), while float32 matches HF's
-    float32 token for token; correctness first (docs/performance.md)."""
+    """``auto`` picks the fast path, as vLLM's CPU backend does: bfloat16 on CUDA and on CPUs
+    with native bfloat16 dot products (``cpu_has_native_bf16``), float32 on other CPUs
+    (there bfloat16 is emulated and slower). On this machine's AVX512-BF16 cores a bfloat16
+    decode step is ~1.5x faster than float32 (docs/performance.md). float32 stays the
+    exact one: it matches HF's float32 token for token, while bfloat16 rounds at other
+    points than HF's bfloat16 and is checked by teacher forcing instead
+    (tests/model/test_bf16_vs_hf.py)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     return _DTYPES[dtype]
 
 
+def resolve_quantization(quantization: str, path: Path, device: torch.device) -> str:
+    """``auto``: ``gguf`` for a GGUF file on CPU (its blocks as the file has them, the way
+    llama.cpp serves it), ``none`` elsewhere. The block kernels are CPU code.
+
+    Raises:
+        ValueError: a quantization on CUDA, or ``gguf`` for a model that is not a GGUF file.
+    """
+    if quantization == "auto":
+        return "gguf" if device.type == "cpu" and path.is_file() else "none"
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization: {quantization} runs on CPU only (device {device})")
+    if quantization == "gguf" and not path.is_file():
+        raise ValueError(f"quantization: gguf needs a GGUF file, {path} is a directory")
+    return quantization
+
+
 def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.device,
+                             quantization: str = "none",
                              ) -> tuple[ModelConfig, LlamaForCausalLM, Any]:
-    """``(model_config, model, tokenizer)`` for a GGUF file or HF directory."""
+    """``(model_config, model, tokenizer)`` for a GGUF file or HF directory;
+    ``quantization`` as resolved by ``resolve_quantization``."""
     from inflight.tokenizer import Tokenizer
 
     model_config, state = load_model(path)
+    blocks = read_gguf_blocks(path, model_config) if quantization == "gguf" else None
     model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
-    model.load_weights(state)
-    del state
+    model.load_weights(state, quantization, blocks)
+    del state, blocks
     tokenizer = Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
     from inflight.tokenizer import check_chat_template
     check_chat_template(tokenizer, path)  # UnsafeChatTemplateError: refuse to serve it
@@ -203,6 +240,17 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
+def _describe(model: LlamaForCausalLM, quantization: str) -> str:
+    """``gguf (Q4_1 x 120, Q8_0 x 1)``: the resolved mode and the formats it gave."""
+    from collections import Counter
+
+    kinds = Counter(m.quant.fmt.name for m in model.modules()
+                    if getattr(m, "quant", None) is not None)
+    if not kinds:
+        return quantization
+    return f"{quantization} ({', '.join(f'{k} x {n}' for k, n in sorted(kinds.items()))})"
+
+
 def load(config: EngineConfig) -> LoadedModel:
     """Load the model ``config`` names and size its KV pool.
 
@@ -219,17 +267,19 @@ def load(config: EngineConfig) -> LoadedModel:
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
         config.kv_cache_dtype, device)
     path = resolve_model_path(config.model)
+    quantization = resolve_quantization(config.quantization, path, device)
     t0 = time.monotonic()
-    model_config, model, tokenizer = load_model_and_tokenizer(path, dtype, device)
+    model_config, model, tokenizer = load_model_and_tokenizer(path, dtype, device, quantization)
     blocks = num_kv_blocks(config, model_config, kv_dtype, device)
     # Before the KV tensors are allocated: a refusal should not first take the memory.
     max_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
                                     blocks, config.block_size)
     runner = ModelRunner(model, blocks, config.block_size, kv_dtype, Sampler(config.seed, device))
     eos = frozenset(model_config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
-    logger.info("loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = "
-                "%d tokens (%.1f MiB); max_model_len %d", path.name,
-                model_config.architecture, str(dtype).removeprefix("torch."), device,
+    logger.info("loaded %s (%s, %s, quantization %s, on %s) in %.1f s; KV cache: %d blocks x "
+                "%d tokens = %d tokens (%.1f MiB); max_model_len %d", path.name,
+                model_config.architecture, str(dtype).removeprefix("torch."),
+                _describe(model, quantization), device,
                 time.monotonic() - t0, blocks, config.block_size, blocks * config.block_size,
                 sum(t.numel() * t.element_size() for t in runner.kv_caches) / 2**20, max_len)
     return LoadedModel(runner, tokenizer, blocks, max_len, eos)

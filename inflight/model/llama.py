@@ -13,6 +13,7 @@ step (selective batching, Orca OSDI 2022); attention is per request over its blo
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,10 @@ from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.config import ModelConfig
-from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
-                                    rms_norm, silu_and_mul, skinny_linear)
+from inflight.model.kernels import (DECODE_LAYER_COLUMNS, QUANT_MAX_ROWS, SKINNY_MAX_ROWS,
+                                    decode_layers, quant_linear, rms_norm, silu_and_mul,
+                                    skinny_linear)
+from inflight.model.quant import QuantFormat, QuantizedWeight, format_of
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,6 +67,15 @@ def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+# Rows up to which a Linear with block-quantized weights reads them in this step: the
+# model's forward sets QUANT_MAX_ROWS for a pure decode step and 0 otherwise. Decode tokens
+# then always take the quantized path and prompt tokens the dense one, whatever the batch,
+# chunking or prefix-cache hits: a request's output does not depend on who it ran with
+# (prompt ids computed in a chunk of 5 by the quantized path and in one of 500 by the dense
+# one would differ by the input's int8 rounding).
+_quantized_rows: ContextVar[int] = ContextVar("quantized_rows", default=0)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight, on CPU, is prepacked once into oneDNN's blocked layout.
 
@@ -73,12 +85,19 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    # The same weight in a block format (``--quantization``): decode steps of up to
+    # QUANT_MAX_ROWS rows read it instead, ``weight`` holding its dequantized values.
+    quant: QuantizedWeight | None = None
 
     def prepack(self) -> None:
         if _can_prepack(self.weight.device, self.weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None and x.dim() == 2 and x.shape[0] <= _quantized_rows.get():
+            y = quant_linear(x, self.quant, self.bias)
+            if y is not None:
+                return y
         if self.packed is not None and x.dim() == 2:
             # A row or two: streaming the weight once beats oneDNN's GEMM (skinny_linear).
             y = skinny_linear(x, self.weight, self.bias) if x.shape[0] <= SKINNY_MAX_ROWS else None
@@ -194,11 +213,23 @@ class LlamaForCausalLM(nn.Module):
         self.device = torch.device(device)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor], quantization: str = "none",
+                     blocks: dict[str, tuple[object, torch.Tensor]] | None = None) -> None:
         """Load HF-named weights (``inflight.model.loader``), fusing Q/K/V and gate/up.
 
+        Args:
+            state: HF parameter names to float tensors.
+            quantization: ``none``; ``gguf`` to keep the file's own block formats
+                (``blocks``) where the kernel has them; ``q8_0``, ``q4_0``, ``q4_1`` to
+                quantize every linear layer (the LM head at 8 bits, as llama.cpp keeps the
+                output layer at 6 or more). A quantized layer's dense weight holds the
+                dequantized values, so every path computes with the same weights.
+            blocks: for ``gguf``, HF names to ``(ggml type, uint8 rows)`` of the file's
+                tensors (``loader.load_model(..., keep_blocks=True)``).
+
         Raises:
-            ValueError: a missing tensor or a shape that does not match the config.
+            ValueError: a missing tensor, a shape that does not match the config, or an
+                unknown ``quantization``.
         """
         c = self.config
         if "rope_freqs" in state:
@@ -222,6 +253,12 @@ class LlamaForCausalLM(nn.Module):
             fused["lm_head.weight"] = state["lm_head.weight"]
         else:
             fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
+        quantized = _quantize(fused, c, quantization, blocks or {})
+        for name, qw in quantized.items():
+            if quantization != "gguf":  # gguf: the state holds these blocks' values already
+                fused[name] = qw.dequantize()
+        if c.tie_word_embeddings and "lm_head.weight" in quantized:
+            fused["model.embed_tokens.weight"] = fused["lm_head.weight"]
         params = dict(self.named_parameters(remove_duplicate=False))
         for name, tensor in fused.items():
             key = name.removeprefix("model.")
@@ -241,6 +278,18 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
+                module.quant = None
+        for name, qw in quantized.items():
+            module = self.get_submodule(name.removeprefix("model.").rpartition(".")[0])
+            module.quant = qw
+        linears = self._layer_linears()
+        self.fused_decode_rows = (QUANT_MAX_ROWS if linears and all(
+            m.quant is not None for m in linears) else SKINNY_MAX_ROWS)
+
+    def _layer_linears(self) -> list[Linear]:
+        return [m for layer in self.layers
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` of shape ``[T, 1, head_dim]`` in the model dtype."""
@@ -251,6 +300,10 @@ class LlamaForCausalLM(nn.Module):
     # Decode steps of 1-2 tokens run the whole stack in one native call (decode_layers.c),
     # bit-identical to the modules; False forces the modules (tests compare the two).
     fused_decode: bool = True
+    # Most rows a decode step may have for the one-call path: the quantized kernel stays
+    # ahead of oneDNN's GEMM for more rows than the skinny one (kernels/__init__.py).
+    fused_decode_rows: int = SKINNY_MAX_ROWS
+    _step_quant_rows = 0  # the last forward's rule for the LM head (see _quantized_rows)
     # (the KV cache list the table was built for, the table or None); holding the list keeps
     # the caches the table points into alive. Cleared by load_weights.
     _decode_table: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
@@ -263,25 +316,25 @@ class LlamaForCausalLM(nn.Module):
         if self._decode_table is not None and self._decode_table[0] is kv_caches:
             return self._decode_table[1]
         table = None
-        linears = [m for layer in self.layers
-                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        linears = self._layer_linears()
         tensors = [p for layer in self.layers for p in layer.parameters()] + list(kv_caches)
-        if (len(kv_caches) == len(self.layers) and all(m.packed is not None for m in linears)
+        if (len(kv_caches) == len(self.layers)
+                and all(m.packed is not None or m.quant is not None for m in linears)
                 and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
                         for t in tensors)):
             rows = []
             for layer, kv in zip(self.layers, kv_caches):
                 attn, mlp = layer.self_attn, layer.mlp
                 # Only qkv_proj may have a bias; the other projections are built without.
-                column = {"input_norm": layer.input_layernorm.weight,
-                          "qkv": attn.qkv_proj.weight, "qkv_bias": attn.qkv_proj.bias,
-                          "o_proj": attn.o_proj.weight,
-                          "post_norm": layer.post_attention_layernorm.weight,
-                          "gate_up": mlp.gate_up_proj.weight, "down": mlp.down_proj.weight,
-                          "kv_cache": kv}
-                rows.append([0 if column[c] is None else column[c].data_ptr()
-                             for c in DECODE_LAYER_COLUMNS])
+                column = {"input_norm": layer.input_layernorm.weight.data_ptr(),
+                          "qkv_bias": (0 if attn.qkv_proj.bias is None
+                                       else attn.qkv_proj.bias.data_ptr()),
+                          "post_norm": layer.post_attention_layernorm.weight.data_ptr(),
+                          "kv_cache": kv.data_ptr()}
+                for name, m in (("qkv", attn.qkv_proj), ("o_proj", attn.o_proj),
+                                ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                    column.update(_linear_columns(name, m))
+                rows.append([column[c] for c in DECODE_LAYER_COLUMNS])
             table = torch.tensor(rows, dtype=torch.int64)
         self._decode_table = (kv_caches, table)
         return table
@@ -289,7 +342,7 @@ class LlamaForCausalLM(nn.Module):
     def _decode_in_one_call(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         n = x.shape[0]
-        if (not self.fused_decode or n > SKINNY_MAX_ROWS or meta.num_decodes != n
+        if (not self.fused_decode or n > self.fused_decode_rows or meta.num_decodes != n
                 or meta.timer.enabled or x.device.type != "cpu"):
             return False  # a timed step keeps the modules, so attention can be timed apart
         table = self._decode_layer_table(kv_caches)
@@ -320,15 +373,72 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(positions)
-        if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x = layer(x, cos, sin, kv_cache, meta)
+        # The LM head (compute_logits, next) follows the step's rule too.
+        self._step_quant_rows = QUANT_MAX_ROWS if meta.num_decodes == x.shape[0] else 0
+        token = _quantized_rows.set(self._step_quant_rows)
+        try:
+            if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):
+                for layer, kv_cache in zip(self.layers, kv_caches):
+                    x = layer(x, cos, sin, kv_cache, meta)
+        finally:
+            _quantized_rows.reset(token)
         return self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[num_rows, hidden]`` -> ``[num_rows, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
+        """``[num_rows, hidden]`` -> ``[num_rows, vocab_size]`` float32 logits of the rows of
+        the last ``forward`` (its quantized-rows rule applies)."""
+        token = _quantized_rows.set(self._step_quant_rows)
+        try:
+            return self.lm_head(hidden).float()
+        finally:
+            _quantized_rows.reset(token)
+
+
+def _linear_columns(name: str, m: Linear) -> dict[str, int]:
+    """A linear layer's four columns of the decode table: the weight (or packed blocks),
+    its format (0 = dense), block scales and Q4_1's minimums (0 where unused)."""
+    if m.quant is None:
+        return {name: m.weight.data_ptr(), f"{name}_fmt": 0, f"{name}_scales": 0,
+                f"{name}_mins": 0}
+    q = m.quant
+    return {name: q.qs.data_ptr(), f"{name}_fmt": int(q.fmt),
+            f"{name}_scales": q.scales.data_ptr(),
+            f"{name}_mins": 0 if q.mins is None else q.mins.data_ptr()}
+
+
+# Fused linear layers and the HF weights each is made of, in order.
+_FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "self_attn.o_proj": ("self_attn.o_proj",),
+                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def _quantize(fused: dict[str, torch.Tensor], c: ModelConfig, quantization: str,
+              blocks: dict[str, tuple[object, torch.Tensor]]) -> dict[str, QuantizedWeight]:
+    """``{fused weight name: QuantizedWeight}`` for ``load_weights``' ``quantization``."""
+    if quantization == "none":
+        return {}
+    if quantization not in ("gguf", "q8_0", "q4_0", "q4_1"):
+        raise ValueError(f"quantization {quantization!r}: use none, gguf, q8_0, q4_0 or q4_1")
+    names = {f"model.layers.{i}.{fused_name}.weight":
+             [f"model.layers.{i}.{p}.weight" for p in parts]
+             for i in range(c.num_hidden_layers) for fused_name, parts in _FUSED_PARTS.items()}
+    names["lm_head.weight"] = (["model.embed_tokens.weight"] if c.tie_word_embeddings
+                               else ["lm_head.weight"])
+    out: dict[str, QuantizedWeight] = {}
+    for name, parts in names.items():
+        if quantization == "gguf":
+            kinds = [format_of(blocks[p][0]) if p in blocks else None for p in parts]
+            if None in kinds or len(set(kinds)) != 1:
+                continue  # a type the kernel has not: this layer stays dense
+            out[name] = QuantizedWeight.cat(
+                [QuantizedWeight.from_blocks(kinds[0], blocks[p][1].numpy()) for p in parts])
+        else:
+            fmt = QuantFormat[quantization.upper()]
+            out[name] = QuantizedWeight.quantize(
+                fused[name], QuantFormat.Q8_0 if name == "lm_head.weight" else fmt)
+    return out
 
 
 def _take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:

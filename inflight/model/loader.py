@@ -13,6 +13,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -131,6 +132,32 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
+def read_gguf_blocks(path: str | os.PathLike, config: ModelConfig,
+                     ) -> dict[str, tuple[Any, torch.Tensor]]:
+    """The raw blocks of a GGUF file's tensors, for ``--quantization gguf``: HF parameter
+    names to ``(ggml type, uint8 [rows, bytes a row])`` copies, Q/K rows in HF's order (the
+    same row permutation ``load_model`` applies to the values; a row's blocks stay whole).
+
+    Raises:
+        ValueError: not a GGUF v2/v3 file, or a corrupt header.
+    """
+    from inflight.model.gguf_file import read_gguf_tensors
+
+    _, tensors = read_gguf_tensors(path)
+    blocks: dict[str, tuple[Any, torch.Tensor]] = {}
+    for t in tensors:
+        name = _hf_name(t.name)
+        if name is None or t.data.ndim != 2:
+            continue
+        rows = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n_head = (config.num_attention_heads if "q_proj" in name
+                      else config.num_key_value_heads)
+            rows = rows[_qk_row_order(rows.shape[0], n_head)].contiguous()
+        blocks[name] = (t.qtype, rows)
+    return blocks
+
+
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
@@ -140,11 +167,15 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
+def _qk_row_order(rows: int, n_head: int) -> torch.Tensor:
+    """Row ``i`` of HF's Q/K weight is row ``order[i]`` of llama.cpp's, whose RoPE pairs are
+    interleaved where HF's are rotate-half halves."""
+    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+
+
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K permutation (interleaved RoPE pairs -> HF rotate-half halves)."""
-    rows = w.shape[0]
-    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
-             .transpose(1, 2).reshape(w.shape).contiguous())
+    return w[_qk_row_order(w.shape[0], n_head)].contiguous()
 
 
 def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

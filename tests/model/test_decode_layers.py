@@ -3,7 +3,8 @@
 A tiny random model prefills two prompts through the modules; then decode steps of one and
 of two sequences run through the C stack on one copy of the KV cache and through the modules
 on another. Hidden states and every layer's cache must match exactly, in float32 and
-bfloat16, with and without a QKV bias (Qwen2).
+bfloat16, with and without a QKV bias (Qwen2), with dense weights and with every block
+format of ``--quantization`` (then for up to QUANT_MAX_ROWS sequences).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from inflight.profiling import NULL_TIMER, StepTimer
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernels")
 
-BS, NUM_BLOCKS, BLOCKS_PER_SEQ = 4, 16, 6
+BS, NUM_BLOCKS, BLOCKS_PER_SEQ = 4, 60, 6
 
 
-def make_model(dtype, bias):
+def make_model(dtype, bias, quantization="none"):
     config = ModelConfig(architecture="llama", vocab_size=101, hidden_size=64,
                          intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
                          num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
@@ -48,7 +49,7 @@ def make_model(dtype, bias):
         else:
             hf = name if name.startswith("lm_head") else "model." + name
             state[hf] = torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 1.0)
-    model.load_weights(state)
+    model.load_weights(state, quantization)
     return model
 
 
@@ -88,22 +89,27 @@ def decode_meta(positions, timer=NULL_TIMER):
         decode_seq_lens=torch.tensor([p + 1 for p in positions]), timer=timer)
 
 
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [2, 7, 1, 8], [28, 18, 28, 45, 9],
+           [90, 45]]
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_one_call_decode_equals_modules(dtype, bias, batch, monkeypatch):
-    model = make_model(dtype, bias)
+@pytest.mark.parametrize("quantization,batch", [("none", 1), ("none", 2), ("q4_0", 1),
+                                                ("q4_1", 2), ("q8_0", 5), ("q4_1", 5)])
+def test_one_call_decode_equals_modules(dtype, bias, quantization, batch, monkeypatch):
+    model = make_model(dtype, bias, quantization)
     c = model.config
     caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim, dtype=dtype)
               for _ in range(c.num_hidden_layers)]
-    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
+    prompts = PROMPTS[:max(2, batch)]
     prefill(model, prompts, caches)
     ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
     calls = []
     real = llama.decode_layers
     monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     lens = [len(p) for p in prompts]
-    tokens = [7, 8][:batch]
+    tokens = [7, 8, 9, 10, 11][:batch]
     for step in range(6):  # crosses block boundaries; past 8 keys the kernel's 16-key tiles
         a = decode(model, tokens, lens, ours, fused=True)
         b = decode(model, tokens, lens, theirs, fused=False)
@@ -115,9 +121,12 @@ def test_one_call_decode_equals_modules(dtype, bias, batch, monkeypatch):
     assert len(calls) == 6  # the one-call path ran every step
 
 
-@pytest.mark.parametrize("num_seqs,timed", [(3, False), (1, True), (1, False)])
-def test_the_modules_run_timed_steps_and_more_than_two_rows(monkeypatch, num_seqs, timed):
-    model = make_model(torch.float32, False)
+@pytest.mark.parametrize("num_seqs,timed,quantization,one_call", [
+    (3, False, "none", False), (1, True, "none", False), (1, False, "none", True),
+    (3, False, "q4_0", True), (5, True, "q4_0", False), (9, False, "q4_0", False)])
+def test_the_modules_run_timed_steps_and_more_rows_than_the_kernels_take(
+        monkeypatch, num_seqs, timed, quantization, one_call):
+    model = make_model(torch.float32, False, quantization)
     c = model.config
     caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim)
               for _ in range(c.num_hidden_layers)]
@@ -128,6 +137,6 @@ def test_the_modules_run_timed_steps_and_more_than_two_rows(monkeypatch, num_seq
     timer = StepTimer(enabled=True) if timed else NULL_TIMER
     model(torch.tensor([4] * num_seqs), torch.tensor([3] * num_seqs), caches,
           decode_meta([3] * num_seqs, timer))
-    # Three rows pass the skinny kernel's limit of two; a timed step must time attention
-    # apart. Only the untimed single row may take the one-call path.
-    assert len(calls) == (1 if (num_seqs, timed) == (1, False) else 0)
+    # Three rows pass the skinny kernel's limit of two (the quantized kernel takes up to
+    # QUANT_MAX_ROWS = 8); a timed step must time attention apart.
+    assert len(calls) == int(one_call)

@@ -5,6 +5,8 @@ shape) falls back to the PyTorch path, logged once.
 - ``paged_attention.c``: decode attention over the paged cache; ``reshape_and_cache``.
 - ``prefill_attention.c``: prefill chunks over the paged cache (AVX-512, head size 64).
 - ``linear.c``: the skinny linear layer for decode at batch 1-2.
+- ``quant_linear.c``: the linear layer over 4- and 8-bit block-quantized weights (ggml's
+  Q4_0, Q4_1, Q8_0) for decode steps of a few rows (``--quantization``; ``model/quant.py``).
 - ``rms_norm.c``, ``activation.c``: RMSNorm and ``silu_and_mul`` in one pass.
 - ``kernels.h``: the exported functions, checked against every definition by the compiler;
   the ctypes bindings are read from it (``header.py``).
@@ -40,12 +42,14 @@ from pathlib import Path
 import torch
 
 from inflight.model.kernels.header import read_signatures
+from inflight.model.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("paged_attention.c", "prefill_attention.c", "linear.c",
-                               "rms_norm.c", "activation.c", "decode_layers.c")]
+                               "quant_linear.c", "rms_norm.c", "activation.c",
+                               "decode_layers.c")]
 _HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h", _DIR / "kernels.h"]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
@@ -226,6 +230,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 # reuses each weight tile across rows, was faster on the larger shapes (docs/performance.md).
 # The kernel itself takes up to 16.
 SKINNY_MAX_ROWS = 2
+# The most rows the model sends to the quantized kernel (quant_linear); past it, oneDNN's
+# GEMM on the dequantized weight (docs/performance.md). The kernel itself takes up to 16.
+QUANT_MAX_ROWS = 8
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -253,6 +260,39 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rc = lib.skinny_linear(int(x.dtype == torch.bfloat16), x.data_ptr(), weight.data_ptr(),
                            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
                            _threads(num_threads))
+    return y if rc == 0 else None
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 num_threads: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T + bias`` with ``W`` in a block format, for a few rows (``quant_linear.c``):
+    each 32-value block of ``x`` quantized to int8 (ggml's Q8_0), integer dot products per
+    block, both scales applied in float32 (llama.cpp's CPU scheme).
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16, CPU, ``1 <= M <= 16``, K a multiple of 32.
+        weight: ``[N, K]`` packed blocks (``model/quant.QuantizedWeight``).
+        bias: ``[N]`` in x's dtype, or None.
+        num_threads: as ``skinny_linear``; results do not depend on it.
+
+    Returns:
+        ``[M, N]`` in x's dtype (float32 sums, one rounding), or None where the kernel does
+        not take these inputs (then the caller multiplies the dequantized weight).
+    """
+    lib = _native_for(x, *([] if bias is None else [bias]))
+    if (lib is None or x.dim() != 2 or not 1 <= x.shape[0] <= 16
+            or x.shape[1] != weight.shape[1]):
+        return None
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    m, (n, k) = x.shape[0], weight.shape
+    y = torch.empty(m, n, dtype=x.dtype)
+    rc = lib.quant_linear(int(weight.fmt), int(x.dtype == torch.bfloat16), x.data_ptr(),
+                          weight.qs.data_ptr(), weight.scales.data_ptr(),
+                          None if weight.mins is None else weight.mins.data_ptr(),
+                          None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                          _threads(num_threads))
     return y if rc == 0 else None
 
 
@@ -328,9 +368,14 @@ def silu_and_mul(x: torch.Tensor, num_threads: int | None = None) -> torch.Tenso
     return out
 
 
-# Columns of decode_layers' per-layer pointer table (decode_layers.c's enum).
-DECODE_LAYER_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up",
-                        "down", "kv_cache")
+# Columns of decode_layers' per-layer pointer table (decode_layers.c's enum). Each linear
+# layer has four: its weight (dense, or packed blocks), format (0 dense, else
+# quant_linear.c's), block scales and Q4_1's block minimums (0 where unused).
+_LINEAR_COLUMNS = ("", "_fmt", "_scales", "_mins")
+DECODE_LAYER_COLUMNS = ("input_norm", *("qkv" + c for c in _LINEAR_COLUMNS), "qkv_bias",
+                        *("o_proj" + c for c in _LINEAR_COLUMNS), "post_norm",
+                        *("gate_up" + c for c in _LINEAR_COLUMNS),
+                        *("down" + c for c in _LINEAR_COLUMNS), "kv_cache")
 
 
 def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,

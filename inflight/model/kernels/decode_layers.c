@@ -27,8 +27,22 @@
 #include "bf16.h"
 #include "kernels.h"
 
-/* Columns of `layers`, in the order of DECODE_LAYER_COLUMNS in __init__.py. */
-enum { IN_NORM, QKV, QKV_BIAS, O_PROJ, POST_NORM, GATE_UP, DOWN, KV_CACHE, LAYER_PTRS };
+/* Columns of `layers`, in the order of DECODE_LAYER_COLUMNS in __init__.py. A linear layer
+ * has four: the weight (dense, or quant_linear.c's packed blocks), its format (0: dense),
+ * the block scales and Q4_1's block minimums. */
+enum { IN_NORM, QKV, QKV_FMT, QKV_SCALES, QKV_MINS, QKV_BIAS, O_PROJ, O_FMT, O_SCALES,
+       O_MINS, POST_NORM, GATE_UP, GU_FMT, GU_SCALES, GU_MINS, DOWN, DOWN_FMT, DOWN_SCALES,
+       DOWN_MINS, KV_CACHE, LAYER_PTRS };
+
+/* The linear layer whose columns start at `col`: skinny_linear or quant_linear. */
+static int linear(int is_bf16, const int64_t *w, int col, const void *bias, const void *in,
+                  void *out, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    const int64_t fmt = w[col + 1];
+    if (fmt == 0)
+        return skinny_linear(is_bf16, in, (const void *)w[col], bias, out, M, N, K, num_threads);
+    return quant_linear((int)fmt, is_bf16, in, (const void *)w[col], (const void *)w[col + 2],
+                        (const void *)w[col + 3], bias, out, M, N, K, num_threads);
+}
 
 #define MAX_ROWS 16
 
@@ -105,8 +119,8 @@ int decode_layers(int is_bf16, void *x, int64_t M, const int64_t *layers, int64_
         const int64_t *w = layers + l * LAYER_PTRS;
         void *kv = (void *)w[KV_CACHE];
         rms_norm(is_bf16, x, (const void *)w[IN_NORM], h, M, hidden, eps, num_threads);
-        CHECK(skinny_linear(is_bf16, h, (const void *)w[QKV], (const void *)w[QKV_BIAS], qkv,
-                            M, qkv_n, hidden, num_threads), -3);
+        CHECK(linear(is_bf16, w, QKV, (const void *)w[QKV_BIAS], h, qkv, M, qkv_n, hidden,
+                     num_threads), -3);
         for (int64_t m = 0; m < M; m++) {
             char *row = qkv + m * qkv_n * es;
             rope(is_bf16, row, H + Hkv, D, (const char *)cos + m * D * es,
@@ -118,15 +132,12 @@ int decode_layers(int is_bf16, void *x, int64_t M, const int64_t *layers, int64_
         CHECK(paged_decode_attention(is_bf16, q, kv, tables, seq_lens, attn, M, H, Hkv, D,
                                      num_blocks, BS, table_width, scale, num_threads, min_keys),
               -3);
-        CHECK(skinny_linear(is_bf16, attn, (const void *)w[O_PROJ], NULL, o, M, hidden, H * D,
-                            num_threads), -3);
+        CHECK(linear(is_bf16, w, O_PROJ, NULL, attn, o, M, hidden, H * D, num_threads), -3);
         add_in_place(is_bf16, x, o, M * hidden);
         rms_norm(is_bf16, x, (const void *)w[POST_NORM], h, M, hidden, eps, num_threads);
-        CHECK(skinny_linear(is_bf16, h, (const void *)w[GATE_UP], NULL, gu, M, 2 * inter,
-                            hidden, num_threads), -3);
+        CHECK(linear(is_bf16, w, GATE_UP, NULL, h, gu, M, 2 * inter, hidden, num_threads), -3);
         silu_and_mul(is_bf16, gu, act, M, inter, num_threads);
-        CHECK(skinny_linear(is_bf16, act, (const void *)w[DOWN], NULL, o, M, hidden, inter,
-                            num_threads), -3);
+        CHECK(linear(is_bf16, w, DOWN, NULL, act, o, M, hidden, inter, num_threads), -3);
         add_in_place(is_bf16, x, o, M * hidden);
     }
 #undef CHECK

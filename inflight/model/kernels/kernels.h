@@ -23,6 +23,10 @@ int64_t paged_prefill_head_dim(void);
 /* linear.c */
 int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
                   int64_t M, int64_t N, int64_t K, int64_t num_threads);
+/* quant_linear.c */
+int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void *scales,
+                 const void *mins, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
+                 int64_t num_threads);
 /* rms_norm.c, activation.c */
 int rms_norm(int is_bf16, const void *x, const void *weight, void *y, int64_t T, int64_t D,
              float eps, int64_t num_threads);

@@ -1,0 +1,78 @@
+"""The quantized linear kernel (quant_linear.c) against the bfloat16 paths, per layer shape
+of the bundled model and decode rows (issue 17), to place QUANT_MAX_ROWS.
+
+Per shape and row count, microseconds per call, best of ``--repeats`` interleaved runs:
+oneDNN's prepacked bfloat16 GEMM, the skinny bfloat16 kernel (M <= 16), and the block
+kernel in Q8_0, Q4_0 and Q4_1. Each weight is copied until the copies exceed L3, and calls
+cycle through them, so weights come from DRAM as in a real step. Effective GB/s = the
+format's weight bytes / time.
+
+    .venv/bin/python benchmarks/quant_linear.py --rows 1 2 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+import inflight.model.llama as llama
+from inflight.bench.timing import seconds_per_call
+from inflight.model.kernels import native_library, quant_linear, skinny_linear
+from inflight.model.quant import QuantFormat, QuantizedWeight
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if native_library() is None:
+        raise SystemExit("the native kernels did not build: nothing to compare")
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    torch.manual_seed(0)
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        copies = max(1, int(96e6 // (n * k * 2)))
+        dense, quant = [], {f: [] for f in QuantFormat}
+        for _ in range(copies):
+            w = torch.randn(n, k) * 0.05
+            lin = llama.Linear(k, n, bias=False)
+            lin.weight = torch.nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
+            lin.prepack()
+            dense.append(lin)
+            for f in QuantFormat:
+                quant[f].append(QuantizedWeight.quantize(w, f))
+        for m in args.rows:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            turn = iter(range(1 << 62))
+
+            def pick(xs):
+                return xs[next(turn) % len(xs)]
+
+            calls = {"oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(
+                         x, pick(dense).packed, None, "none", [], ""),
+                     "skinny bf16": lambda: skinny_linear(x, pick(dense).weight)}
+            for f in QuantFormat:
+                calls[f.name] = lambda f=f: quant_linear(x, pick(quant[f]))
+            best = {key: float("inf") for key in calls}
+            for _ in range(args.repeats):  # interleaved: a noisy second shifts all alike
+                for key, fn in calls.items():
+                    best[key] = min(best[key], seconds_per_call(fn))
+            nbytes = {"oneDNN bf16": n * k * 2, "skinny bf16": n * k * 2,
+                      **{f.name: quant[f][0].nbytes for f in QuantFormat}}
+            cells = "  ".join(f"{key} {1e6 * t:7.1f} us ({nbytes[key] / t / 1e9:4.1f} GB/s)"
+                              for key, t in best.items())
+            print(f"{name:8s} M={m:2d}: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

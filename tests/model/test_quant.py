@@ -1,0 +1,122 @@
+"""Block-quantized weights (model/quant.py) and their kernel (kernels/quant_linear.c).
+
+The kernel's arithmetic is ggml's: the input quantized block by block to int8 (ggml's
+``quantize_row_q8_0_ref``), integer dot products, scales applied in float. The reference
+here computes that independently in numpy and float64 from the dequantized weights
+(the ``gguf`` package's dequantizer), so the kernel must agree to float32 rounding; and the
+whole must stay within a few per mille of the plain float product.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from inflight.model.kernels import native_library, quant_linear
+from inflight.model.kernels.header import read_signatures
+from inflight.model.quant import QuantFormat, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernels")
+KERNELS = Path(__file__).parents[2] / "inflight" / "model" / "kernels"
+
+
+def q8_input(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q8_0_ref, dequantized: d = amax / 127 (float16 when stored),
+    q = roundf(x / d) (half away from zero)."""
+    rows = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(rows).max(axis=2, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    v = rows * inv
+    q = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
+    return (q * d.astype(np.float16).astype(np.float32)).reshape(x.shape)
+
+
+def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch.from_numpy(q8_input(x.float().numpy())).double() @ weight.dequantize().double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_blocks_are_ggmls_and_round_trip(fmt):
+    w = np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32)
+    qw = QuantizedWeight.quantize(torch.from_numpy(w), fmt)
+    blocks = quants.quantize(w, fmt.ggml_type)
+    assert np.array_equal(qw.to_blocks(), blocks)
+    assert np.array_equal(QuantizedWeight.from_blocks(fmt, blocks).to_blocks(), blocks)
+    assert torch.equal(qw.dequantize(), torch.from_numpy(quants.dequantize(blocks, fmt.ggml_type)))
+    bits = {QuantFormat.Q8_0: 8.5, QuantFormat.Q4_0: 4.5, QuantFormat.Q4_1: 5.0}[fmt]
+    assert qw.nbytes * 8 == bits * w.size
+
+
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+@pytest.mark.parametrize("k", [64, 96, 576, 1536])  # 96: a partial group of blocks
+@pytest.mark.parametrize("m", [1, 3, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_dequantize_then_matmul(fmt, k, m, dtype):
+    g = torch.Generator().manual_seed(k * 31 + m)
+    weight = QuantizedWeight.quantize(torch.randn(37, k, generator=g) * 0.1, fmt)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    x[0, :32] = 0  # an all-zero block: scale 0
+    bias = torch.randn(37, generator=g).to(dtype) if m % 2 else None
+    y = quant_linear(x, weight, bias)
+    assert y is not None and y.dtype == dtype and y.shape == (m, 37)
+    ref = reference(x, weight, bias)
+    scale = ref.abs().max().item()
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, atol=2e-6 * scale, rtol=0)
+    else:  # one rounding of a float32 sum to bfloat16
+        torch.testing.assert_close(y.double(), ref.to(dtype).double(),
+                                   atol=2e-6 * scale, rtol=2 ** -7)
+    plain = x.double() @ weight.dequantize().double().T + (0 if bias is None else bias.double())
+    assert (y.double() - plain).abs().max() < 0.02 * scale  # int8 input: a few per mille
+
+
+def test_kernel_refuses_what_it_does_not_take():
+    weight = QuantizedWeight.quantize(torch.randn(8, 64), QuantFormat.Q4_0)
+    assert quant_linear(torch.randn(17, 64), weight) is None  # more than 16 rows
+    assert quant_linear(torch.randn(1, 32), weight) is None  # K mismatch
+    assert quant_linear(torch.randn(1, 64, dtype=torch.float64), weight) is None
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_plain_c_path_equals_the_vector_path(tmp_path):
+    """The kernel built without AVX-512 (the path of other CPUs) gives the same sums."""
+    lib_path = tmp_path / "quant_plain.so"
+    subprocess.run(["gcc", "-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC",
+                    str(KERNELS / "quant_linear.c"), "-o", str(lib_path)], check=True,
+                   capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    restype, argtypes = read_signatures(KERNELS / "kernels.h")["quant_linear"]
+    lib.quant_linear.restype, lib.quant_linear.argtypes = restype, argtypes
+    g = torch.Generator().manual_seed(5)
+    for fmt in QuantFormat:
+        weight = QuantizedWeight.quantize(torch.randn(21, 160, generator=g), fmt)
+        x = torch.randn(3, 160, generator=g)
+        y = torch.empty(3, 21)
+        rc = lib.quant_linear(int(fmt), 0, x.data_ptr(), weight.qs.data_ptr(),
+                              weight.scales.data_ptr(),
+                              None if weight.mins is None else weight.mins.data_ptr(), None,
+                              y.data_ptr(), 3, 21, 160, 1)
+        assert rc == 0
+        torch.testing.assert_close(y, quant_linear(x, weight), atol=1e-5, rtol=1e-6)
+
+
+def test_gguf_blocks_of_the_bundled_model_are_its_weights(bundled_model_path):
+    from inflight.model.loader import load_model, read_gguf_blocks
+
+    config, state = load_model(bundled_model_path)
+    blocks = read_gguf_blocks(bundled_model_path, config)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        qtype, rows = blocks[name]
+        fmt = QuantFormat[qtype.name]
+        assert torch.equal(QuantizedWeight.from_blocks(fmt, rows.numpy()).dequantize(), state[name])
+    assert blocks["model.layers.0.mlp.up_proj.weight"][0] == GGMLQuantizationType.Q4_1
