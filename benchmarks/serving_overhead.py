@@ -50,7 +50,7 @@ for rep in range(2):
     while engine.has_unfinished_requests():
         t = time.perf_counter(); engine.step(); dt = time.perf_counter() - t
         plan = engine.last_plan
-        if rep and plan is not None and all(r.num_tokens == 1 for r in plan.scheduled) \\
+        if rep and plan is not None and all(len(r.token_ids) == 1 for r in plan.scheduled) \\
                 and len(plan.scheduled) == {streams}:
             times.append(dt)
 print(json.dumps(statistics.median(times) * 1e3))

@@ -83,12 +83,18 @@ class ModelRunner:
 
         Only rows that sample (a request's last known token) reach the LM head.
         """
-        decodes = [s for s in out.scheduled if s.is_decode]
+        # Decodes of generated tokens first, then of a prompt's last token, then prefills:
+        # the model's quantized-weight rule is about the leading generated rows.
+        generated = [s for s in out.scheduled
+                     if s.is_decode and s.num_computed_tokens >= s.request.num_prompt_tokens]
+        decodes = generated + [s for s in out.scheduled
+                               if s.is_decode and s.num_computed_tokens < s.request.num_prompt_tokens]
         prefills = [s for s in out.scheduled if not s.is_decode]
         timer = self.step_timer
         with timer.section("prepare"):
             input_ids, positions, meta = self._prepare(decodes, prefills)
             meta.timer = timer
+            meta.num_generated = len(generated)
             rows, requests = [], []
             row = 0
             for s in decodes + prefills:

@@ -53,6 +53,9 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: ``[num_tokens]`` int64, cache slot of every new token.
         num_decodes: the first ``num_decodes`` rows are single-token decodes.
+        num_generated: the first ``num_generated`` of those compute generated (output)
+            tokens, the rest a prompt's last token; linear layers with block-quantized
+            weights use them for these rows only (``llama._quantized_rows``).
         decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0.
         decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
         prefills: the prefill chunks, in row order after the decodes.
@@ -61,6 +64,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_decodes: int = 0
+    num_generated: int = 0
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)

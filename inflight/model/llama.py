@@ -67,12 +67,14 @@ def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-# Rows up to which a Linear with block-quantized weights reads them in this step: the
-# model's forward sets QUANT_MAX_ROWS for a pure decode step and 0 otherwise. Decode tokens
-# then always take the quantized path and prompt tokens the dense one, whatever the batch,
-# chunking or prefix-cache hits: a request's output does not depend on who it ran with
-# (prompt ids computed in a chunk of 5 by the quantized path and in one of 500 by the dense
-# one would differ by the input's int8 rounding).
+# The leading rows of this step for which a Linear with block-quantized weights reads them;
+# the rest multiply the dequantized weights. The model's forward sets the step's generated
+# (output) tokens' rows (AttentionMetadata.num_generated; 0 past QUANT_MAX_ROWS, where
+# oneDNN's GEMM is faster). Prompt tokens thus always take the dense path, whatever the
+# chunking, batch or prefix-cache hits, and generated tokens the quantized one in any step
+# of up to QUANT_MAX_ROWS of them: a request's tokens do not depend on how its prompt was
+# split (a prompt chunk of 5 and one of 500 would otherwise differ by the input's int8
+# rounding).
 _quantized_rows: ContextVar[int] = ContextVar("quantized_rows", default=0)
 
 
@@ -94,10 +96,19 @@ class Linear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and x.dim() == 2 and x.shape[0] <= _quantized_rows.get():
-            y = quant_linear(x, self.quant, self.bias)
-            if y is not None:
-                return y
+        quant, rows = self.quant, _quantized_rows.get()
+        if quant is not None and rows > 0 and x.dim() == 2:
+            if rows >= x.shape[0]:
+                y = quant_linear(x, quant, self.bias)
+                if y is not None:
+                    return y
+            else:  # generated rows first, then prompt rows
+                head = quant_linear(x[:rows], quant, self.bias)
+                if head is not None:
+                    return torch.cat([head, self._dense(x[rows:])])
+        return self._dense(x)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2:
             # A row or two: streaming the weight once beats oneDNN's GEMM (skinny_linear).
             y = skinny_linear(x, self.weight, self.bias) if x.shape[0] <= SKINNY_MAX_ROWS else None
@@ -283,8 +294,8 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(name.removeprefix("model.").rpartition(".")[0])
             module.quant = qw
         linears = self._layer_linears()
-        self.fused_decode_rows = (QUANT_MAX_ROWS if linears and all(
-            m.quant is not None for m in linears) else SKINNY_MAX_ROWS)
+        self.all_quantized = bool(linears) and all(m.quant is not None for m in linears)
+        self.fused_decode_rows = QUANT_MAX_ROWS if self.all_quantized else SKINNY_MAX_ROWS
 
     def _layer_linears(self) -> list[Linear]:
         return [m for layer in self.layers
@@ -304,6 +315,9 @@ class LlamaForCausalLM(nn.Module):
     # ahead of oneDNN's GEMM for more rows than the skinny one (kernels/__init__.py).
     fused_decode_rows: int = SKINNY_MAX_ROWS
     _step_quant_rows = 0  # the last forward's rule for the LM head (see _quantized_rows)
+    # Every decoder layer's linear layers quantized: the one-call path then runs them all
+    # on the blocks, so it serves only steps whose rows are all generated tokens.
+    all_quantized = False
     # (the KV cache list the table was built for, the table or None); holding the list keeps
     # the caches the table points into alive. Cleared by load_weights.
     _decode_table: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
@@ -343,6 +357,7 @@ class LlamaForCausalLM(nn.Module):
                             kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         n = x.shape[0]
         if (not self.fused_decode or n > self.fused_decode_rows or meta.num_decodes != n
+                or (self.all_quantized and self._step_quant_rows != n)
                 or meta.timer.enabled or x.device.type != "cpu"):
             return False  # a timed step keeps the modules, so attention can be timed apart
         table = self._decode_layer_table(kv_caches)
@@ -373,8 +388,10 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(positions)
-        # The LM head (compute_logits, next) follows the step's rule too.
-        self._step_quant_rows = QUANT_MAX_ROWS if meta.num_decodes == x.shape[0] else 0
+        # The LM head (compute_logits, next) follows the step's rule too: its first rows
+        # are the generated ones (each samples).
+        self._step_quant_rows = (meta.num_generated if meta.num_generated <= QUANT_MAX_ROWS
+                                 else 0)
         token = _quantized_rows.set(self._step_quant_rows)
         try:
             if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):

@@ -49,27 +49,37 @@ def format_of(ggml_type) -> QuantFormat | None:
     return QuantFormat.__members__.get(getattr(ggml_type, "name", ""))
 
 
+TILE = 16  # weight rows a tile of the kernel's layout
+
+
 @dataclass
 class QuantizedWeight:
-    """One ``[N, K]`` weight in a block format, as ``quant_linear.c`` reads it.
+    """One ``[N, K]`` weight in a block format, in ``quant_linear.c``'s tiled layout: rows in
+    tiles of 16 (N padded with zero rows), per tile and 32-value block the 16 rows' values
+    side by side, so one int32 lane of a vector register is one output row.
 
     Attributes:
         fmt: the block format.
-        qs: uint8. ``Q8_0``: ``[N, K]``, each ``q + 128`` (the kernel's unsigned operand);
-            ``Q4_*``: ``[N, K / 2]``, per block 16 bytes, value ``j`` in byte ``j``'s low
-            nibble and value ``j + 16`` in its high nibble (GGUF's order).
-        scales: float16 ``[N, K / 32]``, each block's ``d``.
-        mins: ``Q4_1``: float16 ``[N, K / 32]``, each block's ``m``; else None.
+        num_rows: N, the rows of the layer (the tiles hold it rounded up to 16).
+        qs: uint8 ``[N / 16, K / 32, 256]`` (``Q4_*``: 4 registers of 64 bytes; register
+            ``j``, lane ``l``, byte ``b``: value ``8j + b`` of row ``l`` in the low nibble,
+            value ``8j + 4 + b`` in the high one) or ``[N / 16, K / 32, 512]`` (``Q8_0``: 8
+            registers; register ``j``, lane ``l``, byte ``b``: value ``4j + b`` of row ``l``,
+            plus 128).
+        scales: float16 ``[N / 16, K / 32, 16]``, each row's block scale ``d``.
+        mins: ``Q4_1``: float16 ``[N / 16, K / 32, 16]``, each row's block minimum ``m``;
+            else None.
     """
 
     fmt: QuantFormat
+    num_rows: int
     qs: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * QK
+        return self.num_rows, self.scales.shape[1] * QK
 
     @property
     def nbytes(self) -> int:
@@ -79,31 +89,45 @@ class QuantizedWeight:
     @classmethod
     def from_blocks(cls, fmt: QuantFormat, blocks: np.ndarray) -> QuantizedWeight:
         """Pack GGUF blocks: ``blocks`` uint8 ``[N, K / 32 * block_bytes]`` (a GGUF tensor's
-        rows, ``Q8_0``: 34 bytes a block, fp16 ``d`` then 32 int8; ``Q4_0``: 18, ``d`` then 16
-        bytes of nibbles; ``Q4_1``: 20, ``d``, ``m``, 16 bytes).
+        rows; ``Q8_0``: 34 bytes a block, fp16 ``d`` then 32 int8; ``Q4_0``: 18, ``d`` then 16
+        bytes, value ``j`` in byte ``j``'s low nibble and ``j + 16`` in its high one;
+        ``Q4_1``: 20, ``d``, ``m``, 16 bytes).
 
         Raises:
             ValueError: a row length that is not whole blocks of ``fmt``.
         """
-        block_bytes = {QuantFormat.Q8_0: 34, QuantFormat.Q4_0: 18, QuantFormat.Q4_1: 20}[fmt]
+        block_bytes = _BLOCK_BYTES[fmt]
         rows = np.ascontiguousarray(blocks, dtype=np.uint8)
         if rows.ndim != 2 or rows.shape[1] % block_bytes:
             raise ValueError(f"{fmt.name}: rows of {rows.shape[-1]} bytes are not whole "
                              f"{block_bytes}-byte blocks")
         n, nb = rows.shape[0], rows.shape[1] // block_bytes
         b = rows.reshape(n, nb, block_bytes)
-        scales = b[:, :, 0:2].copy().view(np.float16).reshape(n, nb)
+        d = b[:, :, 0:2].copy().view(np.float16)[..., 0]
         mins = None
         if fmt == QuantFormat.Q8_0:
-            qs = (b[:, :, 2:] ^ np.uint8(0x80)).reshape(n, nb * QK)  # int8 q -> q + 128
-        elif fmt == QuantFormat.Q4_0:
-            qs = b[:, :, 2:].reshape(n, nb * QK // 2)
+            values = b[:, :, 2:] ^ np.uint8(0x80)  # int8 q -> the byte q + 128
         else:
-            mins = b[:, :, 2:4].copy().view(np.float16).reshape(n, nb)
-            qs = b[:, :, 4:].reshape(n, nb * QK // 2)
-        return cls(fmt, torch.from_numpy(np.ascontiguousarray(qs)),
-                   torch.from_numpy(np.ascontiguousarray(scales)),
-                   None if mins is None else torch.from_numpy(np.ascontiguousarray(mins)))
+            packed = b[:, :, 4:] if fmt == QuantFormat.Q4_1 else b[:, :, 2:]
+            values = np.concatenate([packed & 0x0F, packed >> 4], axis=2)  # values 0..31
+            if fmt == QuantFormat.Q4_1:
+                mins = b[:, :, 2:4].copy().view(np.float16)[..., 0]
+        tiles = -(-n // TILE)
+        pad = tiles * TILE - n
+
+        def tiled(a: np.ndarray) -> np.ndarray:  # [N, nb, ...] -> [tiles, nb, 16, ...]
+            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+            return a.reshape(tiles, TILE, *a.shape[1:]).swapaxes(1, 2)
+
+        v = tiled(values)  # [tiles, nb, 16 rows, 32 values]
+        if fmt == QuantFormat.Q8_0:
+            qs = v.reshape(tiles, nb, TILE, 8, 4).transpose(0, 1, 3, 2, 4)
+        else:
+            v = v.reshape(tiles, nb, TILE, 4, 2, 4)  # register, low/high nibble, byte
+            qs = (v[:, :, :, :, 0] | (v[:, :, :, :, 1] << 4)).transpose(0, 1, 3, 2, 4)
+        return cls(fmt, n, torch.from_numpy(np.ascontiguousarray(qs).reshape(tiles, nb, -1)),
+                   torch.from_numpy(np.ascontiguousarray(tiled(d))),
+                   None if mins is None else torch.from_numpy(np.ascontiguousarray(tiled(mins))))
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
@@ -125,15 +149,25 @@ class QuantizedWeight:
         inverse)."""
         n, k = self.shape
         nb = k // QK
-        d = self.scales.numpy().view(np.uint8).reshape(n, nb, 2)
+        tiles = self.qs.shape[0]
+
+        def rows(a: np.ndarray) -> np.ndarray:  # [tiles, nb, 16, ...] -> [N, nb, ...]
+            a = a.swapaxes(1, 2).reshape(tiles * TILE, *a.shape[1:2], *a.shape[3:])[:n]
+            return np.ascontiguousarray(a)
+
+        d = rows(self.scales.numpy()[..., None]).view(np.uint8).reshape(n, nb, 2)
         if self.fmt == QuantFormat.Q8_0:
-            parts = [d, self.qs.numpy().reshape(n, nb, QK) ^ np.uint8(0x80)]
-        elif self.fmt == QuantFormat.Q4_0:
-            parts = [d, self.qs.numpy().reshape(n, nb, QK // 2)]
+            v = self.qs.numpy().reshape(tiles, nb, 8, TILE, 4).transpose(0, 1, 3, 2, 4)
+            parts = [d, rows(v.reshape(tiles, nb, TILE, QK)) ^ np.uint8(0x80)]
         else:
-            assert self.mins is not None
-            parts = [d, self.mins.numpy().view(np.uint8).reshape(n, nb, 2),
-                     self.qs.numpy().reshape(n, nb, QK // 2)]
+            packed = self.qs.numpy().reshape(tiles, nb, 4, TILE, 4).transpose(0, 1, 3, 2, 4)
+            values = np.stack([packed & 0x0F, packed >> 4], axis=4)  # register, nibble, byte
+            values = rows(values.reshape(tiles, nb, TILE, QK))  # [N, nb, 32] values 0..31
+            nibbles = values[:, :, :16] | (values[:, :, 16:] << 4)
+            parts = [d, nibbles]
+            if self.fmt == QuantFormat.Q4_1:
+                assert self.mins is not None
+                parts.insert(1, rows(self.mins.numpy()[..., None]).view(np.uint8).reshape(n, nb, 2))
         return np.concatenate(parts, axis=2).reshape(n, -1)
 
     def dequantize(self) -> torch.Tensor:
@@ -144,12 +178,6 @@ class QuantizedWeight:
             np.array(quants.dequantize(self.to_blocks(), self.fmt.ggml_type),
                      dtype=np.float32).reshape(n, k))
 
-    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
-        """The weight rows ``index`` (a permutation or a slice), in the same format."""
-        return QuantizedWeight(self.fmt, self.qs[index].contiguous(),
-                               self.scales[index].contiguous(),
-                               None if self.mins is None else self.mins[index].contiguous())
-
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Rows of ``parts`` one after another (fused projections).
@@ -159,7 +187,8 @@ class QuantizedWeight:
         """
         if len({(p.fmt, p.shape[1]) for p in parts}) != 1:
             raise ValueError("fused weights must share one format and K")
-        mins = [p.mins for p in parts if p.mins is not None]
-        return QuantizedWeight(parts[0].fmt, torch.cat([p.qs for p in parts]),
-                               torch.cat([p.scales for p in parts]),
-                               torch.cat(mins) if mins else None)
+        return QuantizedWeight.from_blocks(parts[0].fmt,
+                                           np.concatenate([p.to_blocks() for p in parts]))
+
+
+_BLOCK_BYTES = {QuantFormat.Q8_0: 34, QuantFormat.Q4_0: 18, QuantFormat.Q4_1: 20}

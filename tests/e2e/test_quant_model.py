@@ -80,11 +80,11 @@ def test_a_requests_tokens_do_not_depend_on_chunking_or_prefix_hits(bundled_mode
     config, state = load_model(bundled_model_path)
     quant = LlamaForCausalLM(config, dtype=torch.bfloat16)
     quant.load_weights(state, "gguf", read_gguf_blocks(bundled_model_path, config))
-    ids = tokenizer.encode(tokenizer.apply_chat_template(
+    text = tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": chat_prompts[1]}]), add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
-    def generate(engine_config, times=1):
+    def generate(engine_config, ids, times=1):
         engine = Engine(engine_config, runner=ModelRunner(quant, 256, 16, torch.bfloat16, Sampler()),
                         tokenizer=tokenizer, num_blocks=256, max_model_len=2048,
                         eos_token_ids=tokenizer.eos_token_ids)
@@ -97,8 +97,42 @@ def test_a_requests_tokens_do_not_depend_on_chunking_or_prefix_hits(bundled_mode
                         tokens.append(out.outputs[0].token_ids)
         return tokens, engine.get_stats()
 
-    (alone,), _ = generate(EngineConfig(enable_prefix_caching=False))
-    (chunked,), _ = generate(EngineConfig(enable_prefix_caching=False, max_num_batched_tokens=5))
-    (first, again), stats = generate(EngineConfig(enable_prefix_caching=True), times=2)
+    (alone,), _ = generate(EngineConfig(enable_prefix_caching=False), text)
+    (chunked,), _ = generate(EngineConfig(enable_prefix_caching=False, max_num_batched_tokens=5),
+                             text)
+    (first, again), stats = generate(EngineConfig(enable_prefix_caching=True), text, times=2)
     assert stats.prefix_cache_hits > 0
     assert chunked == alone and first == alone and again == alone
+
+
+def test_only_generated_tokens_take_the_quantized_rows(bundled_model_path, bundled):
+    """The runner puts decodes of generated tokens first and counts them
+    (AttentionMetadata.num_generated); a prompt's last token computed alone after a prefix
+    hit is a one-token decode row but not a generated one."""
+    _, _, tokenizer = bundled
+    config, state = load_model(bundled_model_path)
+    quant = LlamaForCausalLM(config, dtype=torch.float32)
+    quant.load_weights(state, "q8_0")
+    seen = []
+    real = quant.forward
+
+    def spy(input_ids, positions, kv_caches, meta):
+        seen.append((meta.num_decodes, meta.num_generated, input_ids.shape[0]))
+        return real(input_ids, positions, kv_caches, meta)
+
+    quant.forward = spy
+    runner = ModelRunner(quant, 64, 16, torch.float32, Sampler())
+    engine = Engine(EngineConfig(), runner=runner, tokenizer=tokenizer, num_blocks=64,
+                    max_model_len=1024, eos_token_ids=tokenizer.eos_token_ids)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", list(range(100, 133)), params)  # 33 tokens: 2 full blocks + 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("b", list(range(100, 133)), params)  # hits 32, computes 1 alone
+    engine.add_request("c", list(range(200, 210)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen[0] == (0, 0, 33)  # a's prompt
+    assert seen[1] == (1, 1, 1)  # a's second token
+    assert seen[2] == (1, 0, 11)  # b's last prompt token alone (a decode row), c's prompt
+    assert seen[3] == (2, 2, 2)  # b and c generate

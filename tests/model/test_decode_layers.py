@@ -21,7 +21,7 @@ from inflight.profiling import NULL_TIMER, StepTimer
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernels")
 
-BS, NUM_BLOCKS, BLOCKS_PER_SEQ = 4, 60, 6
+BS, NUM_BLOCKS, BLOCKS_PER_SEQ = 4, 120, 6
 
 
 def make_model(dtype, bias, quantization="none"):
@@ -85,18 +85,19 @@ def decode_meta(positions, timer=NULL_TIMER):
     seqs = range(len(positions))
     return AttentionMetadata(
         slot_mapping=torch.tensor([slot(s, positions[s]) for s in seqs]),
-        num_decodes=len(positions), decode_block_tables=torch.stack([table(s) for s in seqs]),
+        num_decodes=len(positions), num_generated=len(positions), decode_block_tables=torch.stack([table(s) for s in seqs]),
         decode_seq_lens=torch.tensor([p + 1 for p in positions]), timer=timer)
 
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [2, 7, 1, 8], [28, 18, 28, 45, 9],
-           [90, 45]]
+           [90, 45]] + [[(7 * i + j) % 101 for j in range(3 + i % 5)] for i in range(13)]
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantization,batch", [("none", 1), ("none", 2), ("q4_0", 1),
-                                                ("q4_1", 2), ("q8_0", 5), ("q4_1", 5)])
+                                                ("q4_1", 2), ("q8_0", 5), ("q4_1", 5),
+                                                ("q4_0", 18)])  # 18: past skinny's 16 rows
 def test_one_call_decode_equals_modules(dtype, bias, quantization, batch, monkeypatch):
     model = make_model(dtype, bias, quantization)
     c = model.config
@@ -109,7 +110,7 @@ def test_one_call_decode_equals_modules(dtype, bias, quantization, batch, monkey
     real = llama.decode_layers
     monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     lens = [len(p) for p in prompts]
-    tokens = [7, 8, 9, 10, 11][:batch]
+    tokens = [7 + i for i in range(batch)]
     for step in range(6):  # crosses block boundaries; past 8 keys the kernel's 16-key tiles
         a = decode(model, tokens, lens, ours, fused=True)
         b = decode(model, tokens, lens, theirs, fused=False)
@@ -127,6 +128,9 @@ def test_one_call_decode_equals_modules(dtype, bias, quantization, batch, monkey
 def test_the_modules_run_timed_steps_and_more_rows_than_the_kernels_take(
         monkeypatch, num_seqs, timed, quantization, one_call):
     model = make_model(torch.float32, False, quantization)
+    if quantization != "none":
+        assert model.fused_decode_rows == llama.QUANT_MAX_ROWS
+        model.fused_decode_rows = 8  # the rule, at a size this test's cache holds
     c = model.config
     caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim)
               for _ in range(c.num_hidden_layers)]
@@ -137,6 +141,6 @@ def test_the_modules_run_timed_steps_and_more_rows_than_the_kernels_take(
     timer = StepTimer(enabled=True) if timed else NULL_TIMER
     model(torch.tensor([4] * num_seqs), torch.tensor([3] * num_seqs), caches,
           decode_meta([3] * num_seqs, timer))
-    # Three rows pass the skinny kernel's limit of two (the quantized kernel takes up to
-    # QUANT_MAX_ROWS = 8); a timed step must time attention apart.
+    # Three rows pass the skinny kernel's limit of two (quantized models take the one-call
+    # path up to fused_decode_rows); a timed step must time attention apart.
     assert len(calls) == int(one_call)

@@ -230,9 +230,10 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 # reuses each weight tile across rows, was faster on the larger shapes (docs/performance.md).
 # The kernel itself takes up to 16.
 SKINNY_MAX_ROWS = 2
-# The most rows the model sends to the quantized kernel (quant_linear); past it, oneDNN's
-# GEMM on the dequantized weight (docs/performance.md). The kernel itself takes up to 16.
-QUANT_MAX_ROWS = 8
+# The most rows of a decode step the model sends to the quantized kernel (quant_linear),
+# and to the one-call decode path when every layer is quantized; past it, oneDNN's GEMM on
+# the dequantized weights (docs/performance.md). The kernels themselves take any number.
+QUANT_MAX_ROWS = 48
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -270,7 +271,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     block, both scales applied in float32 (llama.cpp's CPU scheme).
 
     Args:
-        x: ``[M, K]`` float32 or bfloat16, CPU, ``1 <= M <= 16``, K a multiple of 32.
+        x: ``[M, K]`` float32 or bfloat16, CPU, K a multiple of 32.
         weight: ``[N, K]`` packed blocks (``model/quant.QuantizedWeight``).
         bias: ``[N]`` in x's dtype, or None.
         num_threads: as ``skinny_linear``; results do not depend on it.
@@ -280,8 +281,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         not take these inputs (then the caller multiplies the dequantized weight).
     """
     lib = _native_for(x, *([] if bias is None else [bias]))
-    if (lib is None or x.dim() != 2 or not 1 <= x.shape[0] <= 16
-            or x.shape[1] != weight.shape[1]):
+    if lib is None or x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != weight.shape[1]:
         return None
     x = x.contiguous()
     if bias is not None:
@@ -387,8 +387,8 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
     (``decode_layers.c``), updating ``x`` in place; bit-identical to the per-module path.
 
     Args:
-        x: ``[M, hidden]`` float32 or bfloat16 on CPU, contiguous, ``M <= 16``: the
-            embeddings in, the last layer's output out.
+        x: ``[M, hidden]`` float32 or bfloat16 on CPU, contiguous (``M <= 16`` unless every
+            linear layer is quantized): the embeddings in, the last layer's output out.
         layer_table: ``[num_layers, len(DECODE_LAYER_COLUMNS)]`` int64 addresses of each
             layer's tensors (x's dtype, contiguous; ``qkv_bias`` 0 when there is none; the KV
             cache ``[2, num_kv_heads, num_blocks, block_size, head_dim]``). The caller keeps

@@ -44,7 +44,7 @@ static int linear(int is_bf16, const int64_t *w, int col, const void *bias, cons
                         (const void *)w[col + 3], bias, out, M, N, K, num_threads);
 }
 
-#define MAX_ROWS 16
+#define MAX_DENSE_ROWS 16 /* skinny_linear's limit; quant_linear has none */
 
 /* float32 products kept apart from the sum: with -ffp-contract the compiler would fuse
  * x * c + r * s into one FMA, one rounding fewer than PyTorch's mul, mul, add. */
@@ -101,8 +101,11 @@ int decode_layers(int is_bf16, void *x, int64_t M, const int64_t *layers, int64_
                   int64_t table_width, const int64_t *seq_lens, int64_t num_blocks, int64_t BS,
                   float scale, int64_t num_threads, int64_t min_keys) {
     /* the limits of skinny_linear (rows), the decode kernel (head size, grouping), rope */
-    if (M < 1 || M > MAX_ROWS || D > 256 || D % 2 || Hkv < 1 || H % Hkv || H / Hkv > 16)
-        return -1;
+    if (M < 1 || D > 256 || D % 2 || Hkv < 1 || H % Hkv || H / Hkv > 16) return -1;
+    for (int64_t l = 0; l < num_layers && M > MAX_DENSE_ROWS; l++) {
+        const int64_t *w = layers + l * LAYER_PTRS;
+        if (w[QKV_FMT] == 0 || w[O_FMT] == 0 || w[GU_FMT] == 0 || w[DOWN_FMT] == 0) return -1;
+    }
     const int64_t es = is_bf16 ? 2 : 4, qkv_n = (H + 2 * Hkv) * D;
     char *buf = malloc((size_t)(M * (hidden + qkv_n + 2 * H * D + hidden + 3 * inter) * es));
     if (!buf) return -1;
