@@ -1,5 +1,5 @@
 """The quantized linear kernel (quant_linear.c) against the bfloat16 paths, per layer shape
-of the bundled model and decode rows (issue 17), to place QUANT_MAX_ROWS.
+of the bundled model and row counts (issue 17): which path a decode step should take.
 
 Per shape and row count, microseconds per call, best of ``--repeats`` interleaved runs:
 oneDNN's prepacked bfloat16 GEMM, the skinny bfloat16 kernel (M <= 16), and the block
@@ -59,8 +59,9 @@ def main() -> None:
                 return xs[next(turn) % len(xs)]
 
             calls = {"oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(
-                         x, pick(dense).packed, None, "none", [], ""),
-                     "skinny bf16": lambda: skinny_linear(x, pick(dense).weight)}
+                         x, pick(dense).packed, None, "none", [], "")}
+            if m <= 16:  # the skinny kernel's limit
+                calls["skinny bf16"] = lambda: skinny_linear(x, pick(dense).weight)
             for f in QuantFormat:
                 calls[f.name] = lambda f=f: quant_linear(x, pick(quant[f]))
             best = {key: float("inf") for key in calls}

@@ -13,6 +13,7 @@ step (selective batching, Orca OSDI 2022); attention is per request over its blo
 from __future__ import annotations
 
 import math
+import sys
 from contextvars import ContextVar
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.config import ModelConfig
-from inflight.model.kernels import (DECODE_LAYER_COLUMNS, QUANT_MAX_ROWS, SKINNY_MAX_ROWS,
+from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS,
                                     decode_layers, quant_linear, rms_norm, silu_and_mul,
                                     skinny_linear)
 from inflight.model.quant import QuantFormat, QuantizedWeight, format_of
@@ -69,12 +70,12 @@ def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 # The leading rows of this step for which a Linear with block-quantized weights reads them;
 # the rest multiply the dequantized weights. The model's forward sets the step's generated
-# (output) tokens' rows (AttentionMetadata.num_generated; 0 past QUANT_MAX_ROWS, where
-# oneDNN's GEMM is faster). Prompt tokens thus always take the dense path, whatever the
-# chunking, batch or prefix-cache hits, and generated tokens the quantized one in any step
-# of up to QUANT_MAX_ROWS of them: a request's tokens do not depend on how its prompt was
-# split (a prompt chunk of 5 and one of 500 would otherwise differ by the input's int8
-# rounding).
+# (output) tokens' rows (AttentionMetadata.num_generated). Prompt tokens thus always take
+# the dense path and generated tokens the quantized one, whatever the chunking, batch or
+# prefix-cache hits: a request's tokens do not depend on how its prompt was split (a prompt
+# chunk of 5 and one of 500 would otherwise differ by the input's int8 rounding). Measured,
+# the int8 kernel is faster than oneDNN's bfloat16 GEMM for a decode step of every size up
+# to 256 rows (docs/performance.md); prompts, hundreds of rows at once, stay with oneDNN.
 _quantized_rows: ContextVar[int] = ContextVar("quantized_rows", default=0)
 
 
@@ -88,7 +89,8 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     # The same weight in a block format (``--quantization``): decode steps of up to
-    # QUANT_MAX_ROWS rows read it instead, ``weight`` holding its dequantized values.
+    # generated tokens read it instead (see _quantized_rows), ``weight`` holding its
+    # dequantized values.
     quant: QuantizedWeight | None = None
 
     def prepack(self) -> None:
@@ -295,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
             module.quant = qw
         linears = self._layer_linears()
         self.all_quantized = bool(linears) and all(m.quant is not None for m in linears)
-        self.fused_decode_rows = QUANT_MAX_ROWS if self.all_quantized else SKINNY_MAX_ROWS
+        self.fused_decode_rows = sys.maxsize if self.all_quantized else SKINNY_MAX_ROWS
 
     def _layer_linears(self) -> list[Linear]:
         return [m for layer in self.layers
@@ -390,8 +392,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos_sin(positions)
         # The LM head (compute_logits, next) follows the step's rule too: its first rows
         # are the generated ones (each samples).
-        self._step_quant_rows = (meta.num_generated if meta.num_generated <= QUANT_MAX_ROWS
-                                 else 0)
+        self._step_quant_rows = meta.num_generated
         token = _quantized_rows.set(self._step_quant_rows)
         try:
             if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):

@@ -1,7 +1,7 @@
 """The bundled model with its own Q4_1/Q8_0 blocks (``--quantization gguf``) against the same
 weights dense.
 
-Decode steps of up to QUANT_MAX_ROWS rows then quantize each input block to int8, as
+Generated tokens then quantize each input block to int8, as
 llama.cpp's CPU backend does; the weights are the same values either way (the dense ones are
 the blocks dequantized). Teacher forcing both with the dense model's own greedy tokens over
 the first turn of MT-Bench's 8 categories: top-1 agreement at >= 95 % of positions, every

@@ -4,7 +4,7 @@ A tiny random model prefills two prompts through the modules; then decode steps 
 of two sequences run through the C stack on one copy of the KV cache and through the modules
 on another. Hidden states and every layer's cache must match exactly, in float32 and
 bfloat16, with and without a QKV bias (Qwen2), with dense weights and with every block
-format of ``--quantization`` (then for up to QUANT_MAX_ROWS sequences).
+format of ``--quantization`` (then for any number of sequences).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_the_modules_run_timed_steps_and_more_rows_than_the_kernels_take(
         monkeypatch, num_seqs, timed, quantization, one_call):
     model = make_model(torch.float32, False, quantization)
     if quantization != "none":
-        assert model.fused_decode_rows == llama.QUANT_MAX_ROWS
+        assert model.fused_decode_rows > 256  # every generated row
         model.fused_decode_rows = 8  # the rule, at a size this test's cache holds
     c = model.config
     caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim)

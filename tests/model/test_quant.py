@@ -1,7 +1,8 @@
 """Block-quantized weights (model/quant.py) and their kernel (kernels/quant_linear.c).
 
-The kernel's arithmetic is ggml's: the input quantized block by block to int8 (ggml's
-``quantize_row_q8_0_ref``), integer dot products, scales applied in float. The reference
+The kernel's arithmetic is ggml's: the input quantized block by block to int8 (as
+ggml-cpu's ``quantize_row_q8_0`` does at run time), integer dot products, scales applied in
+float. The reference
 here computes that independently in numpy and float64 from the dequantized weights
 (the ``gguf`` package's dequantizer), so the kernel must agree to float32 rounding; and the
 whole must stay within a few per mille of the plain float product.
@@ -28,15 +29,16 @@ KERNELS = Path(__file__).parents[2] / "inflight" / "model" / "kernels"
 
 
 def q8_input(x: np.ndarray) -> np.ndarray:
-    """ggml's quantize_row_q8_0_ref, dequantized: d = amax / 127 (float16 when stored),
-    q = roundf(x / d) (half away from zero)."""
+    """The input as llama.cpp quantizes it at run time (ggml-cpu's quantize_row_q8_0 on x86),
+    dequantized: d = amax / 127 (float16 when stored), q = x * (127 / amax) rounded to
+    nearest even."""
     rows = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    d = np.abs(rows).max(axis=2, keepdims=True) / np.float32(127)
+    amax = np.abs(rows).max(axis=2, keepdims=True)
     with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    v = rows * inv
-    q = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
-    return (q * d.astype(np.float16).astype(np.float32)).reshape(x.shape)
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(rows * inv)
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    return (q * d).reshape(x.shape)
 
 
 def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -50,7 +50,7 @@ _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("paged_attention.c", "prefill_attention.c", "linear.c",
                                "quant_linear.c", "rms_norm.c", "activation.c",
                                "decode_layers.c")]
-_HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h", _DIR / "kernels.h"]
+_HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h", _DIR / "kernels.h", _DIR / "team.h"]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-fPIC"]
@@ -230,10 +230,6 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 # reuses each weight tile across rows, was faster on the larger shapes (docs/performance.md).
 # The kernel itself takes up to 16.
 SKINNY_MAX_ROWS = 2
-# The most rows of a decode step the model sends to the quantized kernel (quant_linear),
-# and to the one-call decode path when every layer is quantized; past it, oneDNN's GEMM on
-# the dequantized weights (docs/performance.md). The kernels themselves take any number.
-QUANT_MAX_ROWS = 48
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -18,4 +18,17 @@ static inline uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+/* A linear layer's output y[at] = v + bias[col] (bias may be NULL), y and bias float32 or
+ * bfloat16: the sum in float32, one rounding. */
+static inline void store_output(int is_bf16, void *y, int64_t at, float v, const void *bias,
+                                int64_t col) {
+    if (is_bf16) {
+        if (bias) v += bf16_to_f32(((const uint16_t *)bias)[col]);
+        ((uint16_t *)y)[at] = f32_to_bf16(v);
+    } else {
+        if (bias) v += ((const float *)bias)[col];
+        ((float *)y)[at] = v;
+    }
+}
 #endif

@@ -18,9 +18,7 @@
 
 #include "bf16.h"
 #include "kernels.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "team.h"
 
 #define MAX_M 16
 #define ROWS 1 /* weight rows per pass; see the AVX-512 section on why one */
@@ -136,11 +134,7 @@ int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, v
     nt = nt > 1 ? nt : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int64_t t = 0, n = 1;
-#endif
+        const int64_t t = team_thread(), n = team_size();
         /* Contiguous runs of whole groups: each thread streams its own part of W. */
         const int64_t lo = groups * t / n * ROWS, hi_g = groups * (t + 1) / n * ROWS;
         const int64_t hi = hi_g < N ? hi_g : N;
@@ -161,16 +155,8 @@ int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, v
             if (is_bf16) rows_bf16((const uint16_t *)w + r * K, xf, M, K, nr, acc);
             else rows_f32((const float *)w + r * K, xf, M, K, nr, acc);
             for (int64_t m = 0; m < M; m++)
-                for (int64_t j = 0; j < nr; j++) {
-                    float v = acc[m][j];
-                    if (is_bf16) {
-                        if (bias) v += bf16_to_f32(((const uint16_t *)bias)[r + j]);
-                        ((uint16_t *)y)[m * N + r + j] = f32_to_bf16(v);
-                    } else {
-                        if (bias) v += ((const float *)bias)[r + j];
-                        ((float *)y)[m * N + r + j] = v;
-                    }
-                }
+                for (int64_t j = 0; j < nr; j++)
+                    store_output(is_bf16, y, m * N + r + j, acc[m][j], bias, r + j);
         }
     }
     free(xf);

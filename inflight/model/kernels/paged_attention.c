@@ -22,11 +22,9 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "kernels.h"
 #include "fast_exp.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kernels.h"
+#include "team.h"
 
 /* Blocks sit anywhere in the pool: while one block's rows are used, fetch the next block's
  * same row, so the jump to a new page does not stall on DRAM latency. */
@@ -276,11 +274,7 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int64_t t = 0, n = 1;
-#endif
+        const int64_t t = team_thread(), n = team_size();
         float *scores = malloc(sizeof(float) * (size_t)(2 * G * (max_len + 2)));
         if (!scores) failed = 1;
         /* Pair i (sequence i / Hkv) belongs to the thread whose share of the keys holds the

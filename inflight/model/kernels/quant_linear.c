@@ -5,9 +5,9 @@
  * twice the work of bfloat16 ones a cycle.
  *
  * The scheme is ggml's (llama.cpp's CPU backend): each 32-value block of an input row is
- * quantized to int8 with one scale (ggml's quantize_row_q8_0_ref: dx = max|x| / 127 kept as
- * float16, qx = round(x / dx)), each block's dot products are taken in integers, and the
- * scales multiply the integer sums in float32. Formats (the weight's values):
+ * quantized to int8 with one scale (as ggml-cpu's quantize_row_q8_0 does on x86: dx =
+ * max|x| / 127 kept as float16, qx = x * 127 / max|x| rounded to nearest even), each block's
+ * dot products are taken in integers, and the scales multiply the integer sums in float32. Formats (the weight's values):
  *
  *   Q8_0  w = d * q,        q int8, packed here as the byte q + 128   8.5 bits a weight
  *   Q4_0  w = d * (q - 8),  q a nibble 0..15                          4.5 bits
@@ -36,9 +36,7 @@
 
 #include "bf16.h"
 #include "kernels.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "team.h"
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -72,29 +70,51 @@ static float round_to_half(float f) {
 #endif
 }
 
-/* ggml's quantize_row_q8_0_ref to the bit, for one input row of K values: a true division
- * for d (the attribute keeps -freciprocal-math from turning it into a product), roundf, d
- * kept as float16. Also each block's offset correction -o sx and Q4_1's dx sx. */
+/* One input row of K values to int8 blocks, as llama.cpp quantizes activations at run time
+ * (ggml-cpu's quantize_row_q8_0 on x86, to the bit): d = amax / 127 (kept as float16),
+ * q = round-to-nearest-even(x * (127 / amax)). True divisions: the attribute keeps
+ * -freciprocal-math from turning them into products. Also each block's offset correction
+ * -o sx and Q4_1's dx sx. */
 __attribute__((optimize("no-reciprocal-math")))
-static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int8_t *q, float *dx,
-                         int32_t *corr, float *dxsx) {
+static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int64_t M, int8_t *q,
+                         float *dx, int32_t *corr, float *dxsx) {
     const int off = offset_of(fmt);
     for (int64_t b = 0; b < K / QK; b++) {
-        float v[QK], amax = 0.f;
+        float amax;
+        int32_t sum = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 v[2];
+        for (int h = 0; h < 2; h++)
+            v[h] = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + b * QK + 16 * h))), 16))
+                           : _mm512_loadu_ps((const float *)x + b * QK + 16 * h);
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float id = amax != 0.f ? 127.f / amax : 0.f;
+        __m512i s = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            /* cvtps rounds to nearest even (MXCSR's default), as ggml's round-then-convert */
+            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(q + b * M * QK + 16 * h), _mm512_cvtsepi32_epi8(qi));
+            s = _mm512_add_epi32(s, qi);
+        }
+        sum = _mm512_reduce_add_epi32(s);
+#else
+        float v[QK];
+        amax = 0.f;
         for (int j = 0; j < QK; j++) {
             v[j] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j])
                            : ((const float *)x)[b * QK + j];
             amax = fmaxf(amax, fabsf(v[j]));
         }
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
+        const float id = amax != 0.f ? 127.f / amax : 0.f;
         for (int j = 0; j < QK; j++) {
-            q[b * QK + j] = (int8_t)roundf(v[j] * id);
-            sum += q[b * QK + j];
+            q[b * M * QK + j] = (int8_t)nearbyintf(v[j] * id);
+            sum += q[b * M * QK + j];
         }
-        dx[b] = round_to_half(d);
-        corr[b] = -off * sum;
-        dxsx[b] = dx[b] * (float)sum;
+#endif
+        dx[b * M] = round_to_half(amax / 127.f);
+        corr[b * M] = -off * sum;
+        dxsx[b * M] = dx[b * M] * (float)sum;
     }
 }
 
@@ -102,11 +122,12 @@ static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int8_t 
 #define PF_TILES 4 /* prefetch the weights this many blocks ahead */
 
 /* One tile of 16 weight rows against input rows [0, M) (M <= M_CHUNK), every block: sums
- * into out[m * 16 + lane]. The tile's registers are loaded (and Q4's nibbles split) once a
+ * into out[m * 16 + lane]. The inputs are block-major (value j of block b of row m at
+ * q[(b * xm + m) * 32 + j], its scale at dx[b * xm + m]): a block's rows are side by side. The tile's registers are loaded (and Q4's nibbles split) once a
  * block, then every input row's sums take 8 vpdpbusd with its bytes broadcast. */
 static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
                      const int8_t *q, const float *dx, const int32_t *corr, const float *dxsx,
-                     int64_t M, int64_t K, float *out) {
+                     int64_t xm, int64_t M, int64_t K, float *out) {
     const int64_t nb = K / QK, tb = tile_bytes(fmt);
     const __m512i lo_mask = _mm512_set1_epi8(0x0f);
     __m512 acc[M_CHUNK];
@@ -136,17 +157,17 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
         if (fmt == Q4_1)
             mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + b * TILE)));
         for (int64_t m = 0; m < M; m++) {
-            const int32_t *xb = (const int32_t *)(q + m * K + b * QK);
+            const int32_t *xb = (const int32_t *)(q + (b * xm + m) * QK);
             /* two chains of four: half the latency of one of eight */
-            __m512i s0 = _mm512_set1_epi32(corr[m * nb + b]), s1 = _mm512_setzero_si512();
+            __m512i s0 = _mm512_set1_epi32(corr[b * xm + m]), s1 = _mm512_setzero_si512();
             for (int j = 0; j < 8; j += 2) {
                 s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xb[j]));
                 s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xb[j + 1]));
             }
             const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(dx[m * nb + b])), dw, acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(dx[b * xm + m])), dw, acc[m]);
             if (fmt == Q4_1)
-                acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxsx[m * nb + b]), acc[m]);
+                acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxsx[b * xm + m]), acc[m]);
         }
     }
     for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out + m * TILE, acc[m]);
@@ -155,14 +176,14 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
 /* Plain C, where AVX512-VNNI is missing: the same sums, value by value. */
 static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
                      const int8_t *q, const float *dx, const int32_t *corr, const float *dxsx,
-                     int64_t M, int64_t K, float *out) {
+                     int64_t xm, int64_t M, int64_t K, float *out) {
     const int64_t nb = K / QK, tb = tile_bytes(fmt);
     for (int64_t m = 0; m < M; m++)
         for (int l = 0; l < TILE; l++) {
             float s = 0.f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *t = qs + b * tb;
-                int32_t dot = corr[m * nb + b];
+                int32_t dot = corr[b * xm + m];
                 for (int k = 0; k < QK; k++) {
                     int u;
                     if (fmt == Q8_0) {
@@ -171,10 +192,10 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
                         const int j = k / 8, hi = (k % 8) >= 4;
                         u = (t[j * 64 + l * 4 + k % 4] >> (hi ? 4 : 0)) & 0x0f;
                     }
-                    dot += u * q[m * K + b * QK + k];
+                    dot += u * q[(b * xm + m) * QK + k];
                 }
-                s += half_to_f32(d[b * TILE + l]) * dx[m * nb + b] * (float)dot;
-                if (fmt == Q4_1) s += half_to_f32(mins[b * TILE + l]) * dxsx[m * nb + b];
+                s += half_to_f32(d[b * TILE + l]) * dx[b * xm + m] * (float)dot;
+                if (fmt == Q4_1) s += half_to_f32(mins[b * TILE + l]) * dxsx[b * xm + m];
             }
             out[m * TILE + l] = s;
         }
@@ -190,7 +211,8 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
             || (fmt == Q4_1 && mins == NULL))
         return -1;
     const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE, tb = tile_bytes(fmt);
-    /* per input row: K int8 values, then dx, corr, dxsx (nb each) */
+    /* the input rows' int8 values block-major (block b of row m at (b * M + m) * 32), then
+     * dx, corr, dxsx (block-major too) */
     char *buf = malloc((size_t)(M * K + 3 * M * nb * 4 + 64));
     if (!buf) return -1;
     int8_t *q = (int8_t *)buf;
@@ -198,17 +220,13 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
     int32_t *corr = (int32_t *)(dx + M * nb);
     float *dxsx = (float *)(corr + M * nb);
     for (int64_t m = 0; m < M; m++)
-        quantize_row(fmt, is_bf16, (const char *)x + m * K * (is_bf16 ? 2 : 4), K, q + m * K,
-                     dx + m * nb, corr + m * nb, dxsx + m * nb);
+        quantize_row(fmt, is_bf16, (const char *)x + m * K * (is_bf16 ? 2 : 4), K, M,
+                     q + m * QK, dx + m, corr + m, dxsx + m);
     int64_t nt = num_threads < tiles ? num_threads : tiles;
     nt = nt > 1 ? nt : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int64_t t = 0, n = 1;
-#endif
+        const int64_t t = team_thread(), n = team_size();
         float out[M_CHUNK * TILE];
         for (int64_t tile = tiles * t / n; tile < tiles * (t + 1) / n; tile++) {
             const int64_t r0 = tile * TILE, rows = N - r0 < TILE ? N - r0 : TILE;
@@ -217,19 +235,11 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
                 tile_dot(fmt, (const uint8_t *)qs + tile * nb * tb,
                          (const uint16_t *)scales + tile * nb * TILE,
                          mins == NULL ? NULL : (const uint16_t *)mins + tile * nb * TILE,
-                         q + m0 * K, dx + m0 * nb, corr + m0 * nb, dxsx + m0 * nb, mm, K, out);
+                         q + m0 * QK, dx + m0, corr + m0, dxsx + m0, M, mm, K, out);
                 for (int64_t m = 0; m < mm; m++)
-                    for (int64_t l = 0; l < rows; l++) {
-                        float v = out[m * TILE + l];
-                        const int64_t row = r0 + l, at = (m0 + m) * N + row;
-                        if (is_bf16) {
-                            if (bias) v += bf16_to_f32(((const uint16_t *)bias)[row]);
-                            ((uint16_t *)y)[at] = f32_to_bf16(v);
-                        } else {
-                            if (bias) v += ((const float *)bias)[row];
-                            ((float *)y)[at] = v;
-                        }
-                    }
+                    for (int64_t l = 0; l < rows; l++)
+                        store_output(is_bf16, y, (m0 + m) * N + r0 + l, out[m * TILE + l], bias,
+                                     r0 + l);
             }
         }
     }
