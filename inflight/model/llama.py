@@ -16,6 +16,7 @@ import math
 import sys
 from contextvars import ContextVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -450,8 +451,8 @@ def _quantize(fused: dict[str, torch.Tensor], c: ModelConfig, quantization: str,
             kinds = [format_of(blocks[p][0]) if p in blocks else None for p in parts]
             if None in kinds or len(set(kinds)) != 1:
                 continue  # a type the kernel has not: this layer stays dense
-            out[name] = QuantizedWeight.cat(
-                [QuantizedWeight.from_blocks(kinds[0], blocks[p][1].numpy()) for p in parts])
+            out[name] = QuantizedWeight.from_blocks(   # fused: the parts' rows, in order
+                kinds[0], np.concatenate([blocks[p][1].numpy() for p in parts]))
         else:
             fmt = QuantFormat[quantization.upper()]
             out[name] = QuantizedWeight.quantize(

@@ -178,17 +178,5 @@ class QuantizedWeight:
             np.array(quants.dequantize(self.to_blocks(), self.fmt.ggml_type),
                      dtype=np.float32).reshape(n, k))
 
-    @staticmethod
-    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Rows of ``parts`` one after another (fused projections).
-
-        Raises:
-            ValueError: parts in different formats or with different K.
-        """
-        if len({(p.fmt, p.shape[1]) for p in parts}) != 1:
-            raise ValueError("fused weights must share one format and K")
-        return QuantizedWeight.from_blocks(parts[0].fmt,
-                                           np.concatenate([p.to_blocks() for p in parts]))
-
 
 _BLOCK_BYTES = {QuantFormat.Q8_0: 34, QuantFormat.Q4_0: 18, QuantFormat.Q4_1: 20}
