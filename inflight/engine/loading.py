@@ -17,6 +17,7 @@ from inflight.engine.memory import bound_primitive_caches
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model, read_gguf_blocks
+from inflight.model.quant import QuantFormat
 from inflight.runner import ModelRunner, kv_block_bytes
 from inflight.sampler import Sampler
 
@@ -98,7 +99,8 @@ def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.devic
     from inflight.tokenizer import Tokenizer
 
     model_config, state = load_model(path)
-    blocks = read_gguf_blocks(path, model_config) if quantization == "gguf" else None
+    blocks = (read_gguf_blocks(path, model_config, {f.name for f in QuantFormat})
+              if quantization == "gguf" else None)
     model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
     model.load_weights(state, quantization, blocks)
     del state, blocks

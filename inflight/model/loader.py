@@ -133,10 +133,13 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def read_gguf_blocks(path: str | os.PathLike, config: ModelConfig,
-                     ) -> dict[str, tuple[Any, torch.Tensor]]:
+                     types: set[str] | None = None) -> dict[str, tuple[Any, torch.Tensor]]:
     """The raw blocks of a GGUF file's tensors, for ``--quantization gguf``: HF parameter
     names to ``(ggml type, uint8 [rows, bytes a row])`` copies, Q/K rows in HF's order (the
     same row permutation ``load_model`` applies to the values; a row's blocks stay whole).
+
+    Args:
+        types: the ggml type names to read (``{"Q4_0", ...}``); None reads every 2-D tensor.
 
     Raises:
         ValueError: not a GGUF v2/v3 file, or a corrupt header.
@@ -147,7 +150,7 @@ def read_gguf_blocks(path: str | os.PathLike, config: ModelConfig,
     blocks: dict[str, tuple[Any, torch.Tensor]] = {}
     for t in tensors:
         name = _hf_name(t.name)
-        if name is None or t.data.ndim != 2:
+        if name is None or t.data.ndim != 2 or (types is not None and t.qtype.name not in types):
             continue
         rows = torch.from_numpy(np.array(t.data, dtype=np.uint8))
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

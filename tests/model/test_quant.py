@@ -121,3 +121,5 @@ def test_gguf_blocks_of_the_bundled_model_are_its_weights(bundled_model_path):
         fmt = QuantFormat[qtype.name]
         assert torch.equal(QuantizedWeight.from_blocks(fmt, rows.numpy()).dequantize(), state[name])
     assert blocks["model.layers.0.mlp.up_proj.weight"][0] == GGMLQuantizationType.Q4_1
+    only = read_gguf_blocks(bundled_model_path, config, {"Q8_0"})  # what the kernel has, only
+    assert list(only) == ["model.embed_tokens.weight"]
