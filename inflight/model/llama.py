@@ -81,17 +81,17 @@ _quantized_rows: ContextVar[int] = ContextVar("quantized_rows", default=0)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight, on CPU, is prepacked once into oneDNN's blocked layout.
+    """``nn.Linear`` whose weight, on CPU, is prepacked once into oneDNN's blocked layout,
+    and optionally also kept in a block format (``quant``, ``--quantization``).
 
     Plain ``F.linear`` hands oneDNN a row-major weight every call, which it may reorder
     again each time; a prepacked weight skips that (bit-identical results, measured faster
-    at decode batch sizes: docs/performance.md). Elsewhere this is ``nn.Linear``.
+    at decode batch sizes: docs/performance.md). With ``quant`` set, ``weight`` holds the
+    blocks' dequantized values and the step's generated rows read the blocks
+    (``_quantized_rows``; ``kernels.quant_linear``). Elsewhere this is ``nn.Linear``.
     """
 
     packed: torch.Tensor | None = None
-    # The same weight in a block format (``--quantization``): decode steps of up to
-    # generated tokens read it instead (see _quantized_rows), ``weight`` holding its
-    # dequantized values.
     quant: QuantizedWeight | None = None
 
     def prepack(self) -> None:
