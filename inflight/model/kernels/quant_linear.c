@@ -228,10 +228,13 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
     {
         const int64_t t = team_thread(), n = team_size();
         float out[M_CHUNK * TILE];
-        for (int64_t tile = tiles * t / n; tile < tiles * (t + 1) / n; tile++) {
-            const int64_t r0 = tile * TILE, rows = N - r0 < TILE ? N - r0 : TILE;
-            for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
-                const int64_t mm = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+        /* input chunks outside, tiles inside: a chunk's int8 rows stay in L1 while the
+         * thread's share of the weights streams from its L2 (tiles outside re-read every
+         * input row from L3 once a tile: prompt-sized M then lost to oneDNN) */
+        for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+            const int64_t mm = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+            for (int64_t tile = tiles * t / n; tile < tiles * (t + 1) / n; tile++) {
+                const int64_t r0 = tile * TILE, rows = N - r0 < TILE ? N - r0 : TILE;
                 tile_dot(fmt, (const uint8_t *)qs + tile * nb * tb,
                          (const uint16_t *)scales + tile * nb * TILE,
                          mins == NULL ? NULL : (const uint16_t *)mins + tile * nb * TILE,
