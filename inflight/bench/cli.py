@@ -23,6 +23,7 @@ from inflight.bench import commands, tune
 from inflight.bench.confidence import DEFAULT_CONFIDENCE
 from inflight.bench.sustain import DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE
 from inflight.bench.datasets import BUILDERS, default_data_dir
+from inflight.bench.vllm_compat import add_vllm_args, endpoint_type
 
 
 # ---------------------------------------------------------------- parsing
@@ -67,10 +68,13 @@ def _json_obj(text: str) -> dict:
 def _common_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
+    g.add_argument("--base-url", default=None,
+                   help="server root (default http://127.0.0.1:8000, or http://--host:--port)")
     g.add_argument("--model", help="model name to send (default: first of GET /v1/models)")
-    g.add_argument("--endpoint-type", choices=("completions", "chat"),
-                   help="API to call (default: chat for --dataset chat, else completions)")
+    g.add_argument("--endpoint-type", "--backend", dest="endpoint_type", type=endpoint_type,
+                   metavar="{completions,chat}",
+                   help="API to call; vLLM's openai/vllm = completions, openai-chat = chat "
+                        "(default: chat for --dataset chat, else completions)")
     g.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or os.environ.get("OPENAI_API_KEY"),
                    help="Bearer token (default: $INFLIGHT_API_KEY or $OPENAI_API_KEY)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -83,23 +87,26 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-interval", type=float, default=1.0, metavar="S", help="scrape period (s)")
 
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=tuple(BUILDERS), default="random")
+    g.add_argument("--dataset", choices=tuple(BUILDERS), default=None, help="default random (or --dataset-name)")
     g.add_argument("--data-dir", default=None,
                    help=f"folder of the data files (default $INFLIGHT_DATA_DIR or {default_data_dir()})")
-    g.add_argument("--num-prompts", type=_count(1), default=100, help="requests counted (default %(default)s)")
+    g.add_argument("--num-prompts", type=_count(1), default=None,
+                   help="requests counted (default 100; 1000 with --dataset-name, as vLLM)")
     g.add_argument("--num-warmups", type=int, default=0, help="uncounted requests sent first")
     g.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="POST /reset_prefix_cache before each measured point, to start cold "
                         "(default: on for capacity and tune, which re-send prompts at every load)")
     g.add_argument("--seed", type=int, default=0, help="seed of datasets and arrivals")
     g.add_argument("--input-len", "--random-input-len", "--sonnet-input-len", dest="input_len", type=int,
-                   default=256, help="random/sonnet prompt tokens (default %(default)s)")
+                   default=None, help="random/sonnet prompt tokens (default 256; vLLM's with --dataset-name)")
     g.add_argument("--output-len", "--random-output-len", "--sonnet-output-len", dest="output_len", type=int,
-                   default=128, help="random/sonnet/chat max_tokens (default %(default)s)")
+                   default=None, help="random/sonnet/chat max_tokens (default 128; vLLM's with --dataset-name)")
     g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
                    help="random: lengths uniform in len*(1±ratio)")
-    g.add_argument("--prefix-len", "--random-prefix-len", "--sonnet-prefix-len", dest="prefix_len", type=int,
-                   default=0, help="random/sonnet: shared prefix tokens")
+    g.add_argument("--prefix-len", "--sonnet-prefix-len", dest="prefix_len", type=int,
+                   default=None, help="random/sonnet: shared prefix tokens, counted in --input-len (default 0)")
+    g.add_argument("--random-prefix-len", type=int, default=None,
+                   help="random: shared prefix tokens before --input-len more, as vLLM")
     g.add_argument("--trace-file", help="Azure CSV or Mooncake JSONL (default: the Azure conv slice)")
     g.add_argument("--trace-format", choices=("auto", "azure", "mooncake"), default="auto")
     g.add_argument("--trace-skip", type=int, default=0, help="trace rows skipped first")
@@ -121,7 +128,8 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer dir or .gguf file")
 
     g = p.add_argument_group("arrivals")
-    g.add_argument("--arrival", choices=PROCESSES, default="poisson")
+    g.add_argument("--arrival", choices=PROCESSES, default=None,
+                   help="default poisson; gamma when --burstiness is not 1, as vLLM")
     g.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s; inf = all at once")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson; <1 burstier)")
     g.add_argument("--time-scale", type=float, default=1.0,
@@ -145,9 +153,12 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--confidence", type=_fraction, default=DEFAULT_CONFIDENCE,
                    help="confidence of the SLO statistics' intervals; a windowed point passes on "
                         "their upper ends (default %(default)s)")
-    g.add_argument("--save-result", metavar="FILE.json", help="write the result as JSON")
+    g.add_argument("--save-result", metavar="FILE.json", nargs="?", const=True, default=None,
+                   help="write the result as JSON (alone: vLLM's file name, in --result-dir)")
     g.add_argument("--plot", metavar="FILE.png", help="write a plot")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+    add_vllm_args(p)
 
     g = p.add_argument_group("simulation (no server: docs/simulator.md)")
     g.add_argument("--simulate", metavar="PROFILE.json",

@@ -48,6 +48,7 @@ class RequestRecord:
     phase: str = "sample"  # session-warmup | warmup | sample | cooldown (see runner.run_point)
     unfinished: bool = False  # a sample request the point ended before it finished
     cancelled: bool = False  # a cool-down request cancelled once the sample was done
+    generated_text: str = ""  # the streamed text, joined (vLLM's generated_texts)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -178,8 +179,10 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict, record: Re
             if "error" in data:
                 record.error = f"stream error: {json.dumps(data['error'])[:300]}"
                 return
-            if _chunk_text(data):
+            text = _chunk_text(data)
+            if text:
                 record.chunk_times.append(now)
+                record.generated_text += text
             record.finish_reason = _finish_reason(data) or record.finish_reason
             usage = data.get("usage")
             if usage:

@@ -25,13 +25,18 @@ from inflight.bench.server_proc import ServerProcess
 from inflight.bench.stats import SLO, parse_slo
 from inflight.bench.sustain import (DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE,
                                     Thresholds, Verdict, evidence_lines, strictest_n_min)
+from inflight.bench.vllm_compat import (format_vllm_block, merge_goodput, parse_metric_percentiles,
+                                        parse_percentile_metrics, resolve_vllm_args, result_path, vllm_header,
+                                        vllm_result)
 
 
 DEFAULT_WINDOW_S = {"capacity": 60.0, "tune": 60.0}  # --duration where a point must be a steady state
 
 
 def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
-    """The run's configurations from parsed flags; ValueError on flags that contradict."""
+    """The run's configurations from parsed flags, vLLM's spellings folded into ours
+    (``vllm_compat.resolve_vllm_args``); ValueError on flags that contradict."""
+    resolve_vllm_args(args)
     command = getattr(args, "bench_command", None)
     reset = args.reset_prefix_cache
     if reset is None:
@@ -60,12 +65,13 @@ def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
                             min_input_len=args.min_input_len, max_input_len=args.max_input_len,
                             min_output_len=args.min_output_len, max_output_len=args.max_output_len,
                             prefix_blocks=args.prefix_blocks, chat_file=args.chat_file,
+                            sonnet_file=getattr(args, "sonnet_file", None),
                             ignore_eos=args.ignore_eos, shuffle=shuffle)
     if args.arrival == "poisson" and args.burstiness != 1.0:
         raise ValueError("--burstiness needs --arrival gamma")
     if args.arrival == "trace" and args.dataset != "trace":
         raise ValueError("--arrival trace needs --dataset trace")
-    slo = parse_slo(args.slo)
+    slo = merge_goodput(parse_slo(args.slo), args)
     duration = args.duration if args.duration is not None else DEFAULT_WINDOW_S.get(command)
     if duration is not None and not duration > 0:
         raise ValueError("--duration must be > 0")
@@ -179,8 +185,12 @@ def _values(args) -> list:
 
 
 def serve_result(args, session: Session, point: PointResult, verdict: Verdict | None = None) -> dict:
-    """The JSON document of one run: command, fixed conditions, aggregates, every request."""
-    return {**_header(args, "serve"), "simulated": simulated(session), "fixed": session.fixed(),
+    """The JSON document of one run: command, fixed conditions, aggregates, every request;
+    and, at the top level, vLLM's ``bench serve`` keys (``vllm_compat.vllm_result``)."""
+    vllm = {**vllm_header(args, session.model, session.endpoint),
+            **vllm_result(point.records, point.summary, parse_percentile_metrics(args.percentile_metrics),
+                          parse_metric_percentiles(args.metric_percentiles))}
+    return {**vllm, **_header(args, "serve"), "simulated": simulated(session), "fixed": session.fixed(),
             "arrival": point.arrival.describe(),
             "offered_rate": offered_rate([r.scheduled_time for r in point.records if r.phase == "sample"]),
             "prepare_seconds": session.prepare_seconds, "summary": point.summary,
@@ -219,8 +229,15 @@ async def serve(args) -> int:
     verdict = _verdict(point, slo, args)
     if verdict is not None:
         _print_verdict(verdict)
-    if args.save_result:
-        write_json(args.save_result, serve_result(args, session, point, verdict))
+    if args.percentile_metrics or args.metric_percentiles:
+        metrics = parse_percentile_metrics(args.percentile_metrics)
+        percentiles = parse_metric_percentiles(args.metric_percentiles)
+        print(format_vllm_block(vllm_result(point.records, point.summary, metrics, percentiles), metrics,
+                                percentiles))
+    path = result_path(args, "serve", session.model, session.endpoint)
+    if path:
+        write_json(path, serve_result(args, session, point, verdict))
+        print(f"result: {path}", file=sys.stderr)
     if args.plot:
         plot_run(args.plot, point.records, point.metrics_samples,
                  title=_title(args, f"{session.model}: {dataset.name}, {arrival.process} rate {args.request_rate:g}"))
@@ -255,8 +272,9 @@ async def sweep(args) -> int:
                 if verdict is not None:
                     _print_verdict(verdict, sys.stderr)
     _print_rows(rows, _title(args, "inflight bench sweep"))
-    if args.save_result:
-        write_json(args.save_result, {**_header(args, "sweep"), "simulated": bool(args.simulate),
+    path = result_path(args, "sweep", args.model)
+    if path:
+        write_json(path, {**_header(args, "sweep"), "simulated": bool(args.simulate),
                                       "slo": slo.to_json(), "rows": rows, "points": points})
     if args.save_csv:
         write_csv(args.save_csv, rows)
@@ -335,8 +353,9 @@ async def capacity(args) -> int:
            "slo": slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
            "arrival": base.describe(), "thresholds": th.__dict__.copy(), "preemption_threshold": th.preemption_threshold,
            "results": [r.to_json() for r in results]}
-    if args.save_result:
-        write_json(args.save_result, doc)
+    out = result_path(args, "capacity", args.model)
+    if out:
+        write_json(out, doc)
     if args.plot:
         pts = [p for r in results for p in r.curve]
         plot_capacity(args.plot, pts, slo, "1 / time scale" if space.by_scale else "request rate (req/s)")

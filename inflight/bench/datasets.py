@@ -15,7 +15,8 @@ Datasets (all reproducible from ``seed``):
   for ``--arrival trace``; with ``shuffle`` (the default under a rate) rows in a seeded
   random order. Mooncake's ``hash_ids`` become shared text blocks, so requests
   that share prefix blocks in the trace share prompt prefixes here.
-- ``chat``: the first turn of the MT-Bench or Vicuna-Bench questions.
+- ``chat``: the first turn of the MT-Bench or Vicuna-Bench questions, or the ``prompt`` of
+  each line of a JSONL file (vLLM's ``custom`` dataset).
 
 Prompt lengths are in tokens as counted by a :class:`~inflight.bench.prompts.TokenCounter`;
 exact only when that counter is (server ``/tokenize`` or a local tokenizer).
@@ -102,7 +103,8 @@ class DatasetConfig:
     min_output_len: int = 1
     max_output_len: int | None = None
     prefix_blocks: bool = True  # Mooncake hash_ids -> shared prefix text
-    chat_file: str = "mt_bench"  # mt_bench | vicuna | a path
+    chat_file: str = "mt_bench"  # mt_bench | vicuna | a JSONL path ({"turns": [...]} or {"prompt": ...})
+    sonnet_file: str | None = None  # sonnet: the text file (default vllm_sonnet.txt in the data dir)
     ignore_eos: bool | None = None  # None: True except for chat
     shuffle: bool = False  # trace: rows in a seeded random order (a rate replays lengths, not times)
 
@@ -183,8 +185,10 @@ _FALLBACK_WORDS = ("time beauty love summer rose heart eyes world night day trut
                    "sweet fair light gold face mind praise verse spring winter").split()
 
 
-def _sonnet_lines(data_dir: pathlib.Path) -> list[str]:
-    p = data_dir / SONNET_FILE
+def _sonnet_lines(data_dir: pathlib.Path, name: str | None = None) -> list[str]:
+    p = _resolve(name, data_dir) if name else data_dir / SONNET_FILE
+    if not p.exists() and name:
+        raise FileNotFoundError(2, "no such sonnet file", str(p))
     if not p.exists():
         # The random dataset must not depend on the data folder; any English-ish text will do.
         return [" ".join(_FALLBACK_WORDS[i:] + _FALLBACK_WORDS[:i]) for i in range(len(_FALLBACK_WORDS))]
@@ -242,7 +246,7 @@ async def build_random(cfg: DatasetConfig, counter: TokenCounter, n: int, start:
 
 async def build_sonnet(cfg: DatasetConfig, counter: TokenCounter, n: int, start: int = 0) -> list[RequestSpec]:
     rng = _continuation(np.random.default_rng(cfg.seed), cfg.seed, start)
-    lines = _sonnet_lines(cfg.resolved_data_dir())
+    lines = _sonnet_lines(cfg.resolved_data_dir(), cfg.sonnet_file)
     prefix_words = " ".join(lines).split()
     prefix = await _shared_prefix(counter, prefix_words, cfg.prefix_len)
     jobs = [(_random_line_words(lines, rng, cfg.input_len + 16), cfg.input_len, prefix) for _ in range(n)]
@@ -343,7 +347,7 @@ async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int, start: i
     specs = []
     for i in range(start, start + n):
         q = questions[int(order[i % len(order)])]
-        text = q["turns"][0]
+        text = q["turns"][0] if "turns" in q else q["prompt"]  # MT-Bench, or vLLM's custom JSONL
         specs.append(RequestSpec(text, [{"role": "user", "content": text}], None, cfg.output_len,
                                  cfg.effective_ignore_eos(),
                                  meta={"question_id": q.get("question_id"), "category": q.get("category")}))

@@ -196,10 +196,23 @@ def _print_point(log, space: SearchSpace, load: float, p: cap.PointOutcome, cach
     verdict = "pass" if p.passed else "FAIL: " + "; ".join(p.reasons)
     what = f"hold {space.hold_duration:g} s at " if held else ""
     print(f"  {what}{space.describe(load)}: {verdict}{' (saved point)' if cached else ''}", file=log)
+    print(f"      {p95_line(p.summary)}", file=log)
     if p.evidence:
         for line in evidence_lines(p.evidence):
             print(f"      {line}", file=log)
     log.flush()
+
+
+def p95_line(summary: dict) -> str:
+    """The point's measured p95s (completed requests) and throughput, printed on every point,
+    pass or fail."""
+    def ms(metric: str) -> str:
+        v = (summary.get(metric) or {}).get("p95")
+        return "-" if v is None else f"{v * 1000:.1f} ms"
+    tput = summary.get("output_throughput")
+    return (f"measured p95: TTFT {ms('ttft')}, ITL {ms('itl')}, TPOT {ms('tpot')}, E2E {ms('e2e')}; "
+            f"{summary.get('completed', 0)} completed, "
+            f"{'-' if tput is None else f'{tput:.1f}'} output tok/s")
 
 
 def limit_line(res: LimitResult, by_scale: bool) -> str:

@@ -33,12 +33,18 @@ from inflight.bench.limit import LimitResult, find_limit, limit_line
 from inflight.bench.machine import describe_machine
 from inflight.bench.report import write_json
 from inflight.bench.report_page import write_report
+from inflight.bench.vllm_compat import SAMPLING_FLAGS
 
 BOOL_VALUES = {"on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 STATE_FILE = "tune-state.json"
 # Flags that change how the run is reported or supervised, not what a point measures.
 _NOT_FINGERPRINT = {"knob", "fresh", "report", "disable_tqdm", "server_log_dir", "server_start_timeout",
-                    "server_stop_timeout", "save_result", "plot", "serve_cmd", "bench_command"}
+                    "server_stop_timeout", "save_result", "plot", "serve_cmd", "bench_command",
+                    # vLLM's spellings: what they set is folded into the flags above (vllm_compat)
+                    "host", "port", "endpoint", "served_model_name", "dataset_name", "dataset_path",
+                    "custom_output_len", "skip_chat_template", "random_prefix_len", "goodput",
+                    "percentile_metrics", "metric_percentiles", "result_dir", "result_filename", "label",
+                    "metadata", "save_detailed", *SAMPLING_FLAGS}
 
 
 def parse_knob(text: str) -> tuple[str, list[str]]:

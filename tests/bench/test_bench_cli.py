@@ -62,7 +62,8 @@ def test_serve_writes_json_and_plot(fake_server, data_dir, tmp_path, capsys):
 
 def test_usage_errors(fake_server, data_dir, capsys):
     srv = fake_server()
-    assert main(["serve", *common(srv.base_url, data_dir), "--burstiness", "2"]) == 2
+    # --burstiness alone means gamma gaps (vLLM's spelling); with an explicit Poisson it contradicts.
+    assert main(["serve", *common(srv.base_url, data_dir), "--arrival", "poisson", "--burstiness", "2"]) == 2
     assert main(["serve", *common(srv.base_url, data_dir), "--arrival", "trace"]) == 2
     assert main(["capacity", *common(srv.base_url, data_dir), "--slo", "ttft=1"]) == 2
     assert main(["sweep", *common(srv.base_url, data_dir), "--values", "1,2"]) == 2
@@ -163,7 +164,12 @@ def test_capacity_cli(fake_server, data_dir, tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())["results"][0]
     assert res["limits"] == [40.0, 40.0] and res["bounded"] is False
-    assert res["spread"]["mean"] == 40.0 and "lower bound" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert res["spread"]["mean"] == 40.0 and "lower bound" in printed.out
+    # Every point prints its measured p95s, passing ones too (not only a failure's reasons).
+    lines = printed.err.splitlines()
+    passes = [i for i, ln in enumerate(lines) if ln.strip().startswith("rate=") and ln.endswith(": pass")]
+    assert passes and all(lines[i + 1].strip().startswith("measured p95: TTFT ") for i in passes)
 
 
 def free_port() -> int:
