@@ -5,9 +5,10 @@ https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html):
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE or not),
   ``GET /v1/models``: behind ``--api-key`` when one is set (401 otherwise).
-- ``GET /health`` (200 while the engine loop runs, else 503), ``GET /metrics``
-  (Prometheus), ``GET /stats`` (sliding-window latency percentiles, JSON),
-  ``POST /tokenize``, ``POST /detokenize`` (vLLM's).
+- ``GET /health`` (200 while the engine loop runs, else 503), ``GET``/``HEAD /metrics``
+  (Prometheus, every series labelled ``model_name``), ``GET /stats`` (sliding-window
+  latency percentiles, JSON), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``
+  (vLLM's).
 
 The engine steps in a background thread (``AsyncEngine``); routes only validate, tokenize
 (in a worker thread) and wait on their request's queue. A client that disconnects aborts
@@ -74,7 +75,8 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
     cfg = engine.config
     metrics = ServerMetrics(engine, window_s=stats_window_s,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            config_labels=_config_labels(engine, model_names[0]))
+                            config_labels=_config_labels(engine, model_names[0]),
+                            model_name=model_names[0], cache_config=_cache_config(engine))
     engine.listeners.append(metrics.on_step)
     ctx = ServerContext(engine, list(model_names), metrics, TokenTexts(engine.tokenizer))
 
@@ -169,6 +171,21 @@ def _version() -> str:
         return version("inflight-serve")
     except PackageNotFoundError:
         return "0"
+
+
+def _cache_config(engine: AsyncEngine) -> dict[str, str]:
+    """The labels of ``inflight:cache_config_info``, vLLM's ``cache_config_info`` names.
+
+    ``num_gpu_blocks`` is the KV pool in blocks wherever it lives (vLLM's name, which
+    dashboards and benchmark tools read); ``cache_dtype`` the pool's element type where the
+    runner has KV tensors, else the ``--kv-cache-dtype`` setting.
+    """
+    cfg = engine.config
+    caches = getattr(getattr(engine.engine, "runner", None), "kv_caches", None)
+    dtype = str(caches[0].dtype).removeprefix("torch.") if caches else cfg.kv_cache_dtype
+    return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(engine.num_kv_blocks),
+            "cache_dtype": dtype,
+            "enable_prefix_caching": str(cfg.enable_prefix_caching).lower()}
 
 
 def _config_labels(engine: AsyncEngine, name: str) -> dict[str, str]:
@@ -312,12 +329,24 @@ def _ops_router(ctx: ServerContext, metrics: ServerMetrics) -> APIRouter:
     router.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head",
                          response_model=None, responses=health_doc)
 
-    @router.get("/metrics", response_class=PlainTextResponse,
-                responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                                 "description": "Prometheus text exposition format 0.0.4"}})
     async def prometheus() -> Response:
-        """Prometheus text exposition (``inflight:*`` metrics)."""
+        """Prometheus text exposition (``inflight:*`` metrics, each labelled ``model_name``).
+        ``HEAD`` answers the same headers without the body (load generators such as AIPerf
+        probe with it)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    metrics_doc: dict[int | str, dict[str, Any]] = {
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+              "description": "Prometheus text exposition format 0.0.4"}}
+    router.add_api_route("/metrics", prometheus, methods=["GET"], operation_id="metrics",
+                         response_class=PlainTextResponse, responses=metrics_doc)
+    router.add_api_route("/metrics", prometheus, methods=["HEAD"], operation_id="metrics_head",
+                         response_class=PlainTextResponse, responses=metrics_doc)
+
+    @router.get("/version", response_model=None, responses={200: {"model": R.Version}})
+    async def version() -> dict:
+        """vLLM's ``/version``: this package's version."""
+        return {"version": _version()}
 
     @router.get("/stats", response_model=None, responses={200: {"model": R.Stats}})
     async def stats() -> dict:

@@ -158,12 +158,15 @@ class Generation:
     def start(self) -> None:
         """Queue every prompt into the places ``reserve`` took for the whole call (prompts x
         ``n``); whatever fails, nothing of it stays queued and the places go back."""
+        metrics = self.ctx.metrics
         try:
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
+                metrics.expect(f"{self.request_id}-{i}", p.n, p.max_tokens)
                 self.streams.append(self.ctx.engine.add_request(
                     f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time,
                     options=self.options, reservation=self.reservation))
         except EngineError as e:
+            metrics.forget(f"{self.request_id}-{len(self.streams)}")  # never queued
             self.abort()
             raise to_openai(e, self.param_names) from None
         finally:
@@ -216,6 +219,10 @@ class Generation:
             async for item in _interleave(self.streams):
                 yield item[0], _checked(item[1])
         except EngineError as e:
+            # The call failed and its requests are aborted: no summary wants their params
+            # (one the engine failed on its thread never reaches the metrics listener).
+            for i in range(len(self.streams)):
+                self.ctx.metrics.forget(f"{self.request_id}-{i}")
             raise to_openai(e, self.param_names) from None
         finally:
             self.abort()

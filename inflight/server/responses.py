@@ -132,6 +132,12 @@ class Health(BaseModel):
     """``{}`` while the engine takes requests."""
 
 
+class Version(BaseModel):
+    """``GET /version`` (vLLM's): the server package's version."""
+
+    version: str
+
+
 class Stats(BaseModel):
     """``GET /stats``: window percentiles (``{"count", "mean", "p50", "p95", "p99"}``) and
     engine gauges and counters; see ``ServerMetrics.stats``."""

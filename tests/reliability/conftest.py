@@ -51,14 +51,17 @@ def engine_sharing_model(base, *, num_blocks: int | None = None, **config):
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Every non-bucket sample of ``/metrics``, keyed ``name{k=v,...}``."""
+    """Every non-bucket sample of ``/metrics``, keyed ``name{k=v,...}``; the
+    ``model_name`` label every sample carries is left out of the key."""
     text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name.endswith(("_bucket", "_created")):
                 continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            assert "model_name" in s.labels, s
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k != "model_name")
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
@@ -110,6 +113,7 @@ def assert_engine_clean(engine, async_engine, metrics=None) -> None:
     if metrics is not None:
         assert metrics._first_token_seen == set(), "metrics keep ids of finished requests"
         assert metrics._last_emit == {}, "metrics keep emit times of finished requests"
+        assert metrics._params == {}, "metrics keep the parameters of finished requests"
 
 
 def app_metrics(server_thread):

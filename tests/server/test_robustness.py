@@ -40,13 +40,16 @@ def url(served):
 
 
 def _scrape(url: str) -> dict[str, float]:
-    """Every sample (buckets left out) of /metrics, keyed by name and labels."""
+    """Every sample (buckets left out) of /metrics, keyed by name and labels; the
+    ``model_name`` label, the served name on every sample, is left out of the key."""
     text = httpx.get(url + "/metrics", timeout=10).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if not s.name.endswith("_bucket"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                assert s.labels.get("model_name") == MODEL, s
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                  if k != "model_name")
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 

@@ -41,7 +41,8 @@ def test_request_waiting_past_max_queue_time_gets_503(served):
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
     err = r.json()["error"]
     assert err["code"] == "server_overloaded" and "max_queue_time" in err["message"]
-    wait_until(lambda: "inflight:requests_shed_total 1.0" in httpx.get(url + "/metrics").text,
+    wait_until(lambda: f'inflight:requests_shed_total{{model_name="{MODEL}"}} 1.0'
+               in httpx.get(url + "/metrics").text,
                what="the shed counter")
     t.join(120)
     assert long_one["r"].status_code == 200
