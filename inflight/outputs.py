@@ -71,6 +71,10 @@ class RequestOutput:
             (``max_queue_time``, or a TTFT deadline it could not meet); finish reason abort.
         abort_reason: set when the server aborted the request (shutdown), not its client.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, per prompt token None
+            (the first) or ``{token_id: (logprob, rank)}`` of the token and the top-k
+            (vLLM's ``prompt_logprobs``, rank 1 = most likely). A streamed request gets them
+            once, on the first delta after the whole prompt is computed.
     """
 
     request_id: str
@@ -83,6 +87,7 @@ class RequestOutput:
     shed_reason: str | None = None
     abort_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def failure(self) -> EngineError | None:

@@ -97,6 +97,10 @@ class Request:
         self.output_token_ids: list[int] = []
         # Per output token: {token_id: logprob}, the sampled token plus the top-k.
         self.output_logprobs: list[dict[int, float]] = []
+        # With ``sampling_params.prompt_logprobs``: per prompt position, None for the first
+        # token, then ``{token_id: (logprob, rank)}`` of the prompt token and the top-k
+        # (rank 1 = most likely). Filled by the model runner as the prompt is computed.
+        self.prompt_logprobs: list[dict[int, tuple[float, int]] | None] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
@@ -128,6 +132,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some are still missing: its prompt positions must
+        reach the LM head, so none may come from the prefix cache."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids))
 
     @property
     def finish_reason(self) -> str | None:

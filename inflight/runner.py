@@ -23,6 +23,10 @@ from inflight.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+# Prompt rows sent through the LM head at once for prompt logprobs (a row's float32 logits
+# are vocab_size * 4 bytes: 256 rows of a 49k vocabulary are 50 MB).
+PROMPT_LOGITS_ROWS = 256
+
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
@@ -95,9 +99,11 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare(decodes, prefills)
             meta.timer = timer
             meta.num_generated = len(generated)
-            rows, requests = [], []
+            rows, requests, prompt_rows = [], [], []
             row = 0
             for s in decodes + prefills:
+                if s.request.needs_prompt_logprobs:
+                    prompt_rows.append((s, row))
                 row += s.num_scheduled_tokens
                 if s.samples:
                     rows.append(row - 1)
@@ -105,9 +111,47 @@ class ModelRunner:
             index = torch.tensor(rows, device=self.device) if rows else None
         with timer.section("forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            for s, first_row in prompt_rows:
+                self._record_prompt_logprobs(hidden, s, first_row)
             if index is None:
                 return None, []
             return self.model.compute_logits(hidden.index_select(0, index)), requests
+
+    @torch.inference_mode()
+    def _record_prompt_logprobs(self, hidden: torch.Tensor, s: ScheduledRequest,
+                                first_row: int) -> None:
+        """Append the prompt logprobs this step's rows of ``s`` give (vLLM's
+        ``prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``. Only a
+        request that asked reaches here, so other steps run no extra LM head rows; rows go
+        through the LM head :data:`PROMPT_LOGITS_ROWS` at a time to bound the logits' size.
+        Positions recorded before a preemption are not recorded again."""
+        req = s.request
+        recorded = req.prompt_logprobs
+        if not recorded:
+            recorded.append(None)  # the first token has no context to be scored in
+        start = max(s.num_computed_tokens, len(recorded) - 1)
+        end = min(s.num_computed_tokens + s.num_scheduled_tokens, req.num_prompt_tokens - 1)
+        if start >= end:
+            return
+        if start != len(recorded) - 1:  # a gap: positions computed elsewhere (cache hits)
+            raise RuntimeError(f"prompt logprobs of {req.request_id}: position "
+                               f"{len(recorded) - 1} was not computed")
+        k = req.sampling_params.prompt_logprobs or 0
+        for a in range(start, end, PROMPT_LOGITS_ROWS):
+            b = min(a + PROMPT_LOGITS_ROWS, end)
+            r0 = first_row + a - s.num_computed_tokens
+            logits = self.model.compute_logits(hidden[r0:r0 + b - a], prompt_rows=True)
+            logp = logits.log_softmax(dim=-1)
+            targets = torch.tensor(req.prompt_token_ids[a + 1:b + 1], device=logp.device)
+            chosen = logp.gather(1, targets[:, None])
+            ranks = (logp >= chosen).sum(dim=-1).tolist()  # vLLM's rank: ties count ahead
+            top_vals, top_ids = logp.topk(k, dim=-1)  # k = 0: empty rows
+            for t, lp, rank, tv, ti in zip(targets.tolist(), chosen[:, 0].tolist(), ranks,
+                                           top_vals.tolist(), top_ids.tolist()):
+                entry = {t: (lp, rank)}
+                for j, (tid, val) in enumerate(zip(ti, tv)):
+                    entry.setdefault(tid, (val, j + 1))
+                recorded.append(entry)
 
     def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
         bs = self.block_size

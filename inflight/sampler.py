@@ -1,10 +1,12 @@
 """Batched sampling from per-request parameters.
 
 Order of logits processing follows vLLM's sampler and HF's ``LogitsProcessor`` conventions:
-min-tokens suppression, repetition penalty (CTRL, Keskar et al. 2019: divide positive logits,
-multiply negative ones), presence/frequency penalties (OpenAI API reference), temperature,
-then top-k, top-p (Holtzman et al. 2020), min-p (Nguyen et al. 2024). Returned logprobs are
-those of the model's raw distribution (vLLM's default ``raw_logprobs``).
+min-tokens suppression, ``logit_bias`` (OpenAI's, added to the logits), repetition penalty
+(CTRL, Keskar et al. 2019: divide positive logits, multiply negative ones),
+presence/frequency penalties (OpenAI API reference), temperature, then top-k, top-p
+(Holtzman et al. 2020), min-p (Nguyen et al. 2024). Returned logprobs are those of the
+model's raw distribution (vLLM's default ``raw_logprobs``): a ``logit_bias`` changes which
+token is drawn, not the logprobs reported for it.
 
 Seeded requests draw from their own ``torch.Generator``, so their tokens do not depend on
 what they are batched with; unseeded ones share the engine's generator.
@@ -71,6 +73,10 @@ class Sampler:
                     banned |= r.eos_token_ids
                 if banned:
                     logits[i, list(banned)] = -float("inf")
+            if p.logit_bias:  # after min_tokens, before the penalties: vLLM v1's order
+                ids = torch.tensor(list(p.logit_bias), device=logits.device, dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()),
+                                               device=logits.device, dtype=logits.dtype)
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
                                     device=logits.device, dtype=torch.long)
@@ -131,7 +137,7 @@ class Sampler:
 def _needs_penalties(r: Request) -> bool:
     p = r.sampling_params
     return (r.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
-            or bool(p.presence_penalty) or bool(p.frequency_penalty))
+            or bool(p.presence_penalty) or bool(p.frequency_penalty) or bool(p.logit_bias))
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

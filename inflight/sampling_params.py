@@ -40,6 +40,12 @@ class SamplingParams:
         logprobs: number of top log-probabilities to return per output token (None: none).
             The sampled token's own log-probability is always included when set.
         skip_special_tokens: drop special tokens from the detokenized text.
+        prompt_logprobs: number of top log-probabilities to return per prompt token (None:
+            none); each prompt token's own log-probability and rank are always included,
+            the first token has none (vLLM's ``prompt_logprobs``). Such a request reads
+            nothing from the prefix cache: every prompt position is computed.
+        logit_bias: ``{token_id: bias}`` added to the logits before sampling (OpenAI's
+            ``logit_bias``, bias in [-100, 100]); returned logprobs stay the raw ones.
     """
 
     n: int = 1
@@ -59,6 +65,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     # Filled in from ``stop`` / ``stop_token_ids``: always tuples.
     stop_strings: tuple[str, ...] = field(init=False, default=())
     stop_ids: tuple[int, ...] = field(init=False, default=())
@@ -103,6 +111,13 @@ class SamplingParams:
               "stop_token_ids", "must be a list of non-negative integers")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "logprobs", "must be an integer in [0, 20] or None")
+        check(self.prompt_logprobs is None
+              or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "must be an integer in [0, 20] or None")
+        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100
+            for t, b in self.logit_bias.items())),
+            "logit_bias", "must map token ids to biases in [-100, 100]")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
 

@@ -11,6 +11,9 @@ INVALID = [
     ("max_tokens", -5), ("min_tokens", -1), ("stop", ""), ("stop", [1]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("logprobs", -1), ("logprobs", 21),
     ("include_stop_str_in_output", "yes"), ("ignore_eos", 1), ("skip_special_tokens", None),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", True),
+    ("logit_bias", {5: 101}), ("logit_bias", {5: float("nan")}), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}), ("logit_bias", [5]),
 ]
 
 
@@ -41,3 +44,8 @@ def test_valid_params_normalise_stop():
 def test_invalid_engine_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         EngineConfig(**{field: value})
+
+
+def test_prompt_logprobs_and_logit_bias_accepted():
+    p = SamplingParams(prompt_logprobs=0, logit_bias={5: -100, 7: 100.0})
+    assert p.prompt_logprobs == 0 and p.logit_bias == {5: -100, 7: 100.0}

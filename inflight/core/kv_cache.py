@@ -91,9 +91,11 @@ class KVCacheManager:
         """Cached blocks holding the longest prefix of a request not yet started.
 
         At most ``(num_tokens - 1) // block_size`` blocks: at least one token is left to
-        compute, for the logits. Empty when caching is off or the request holds blocks.
+        compute, for the logits. Empty when caching is off, the request holds blocks, or
+        it still needs prompt logprobs (vLLM skips reading the cache for those too).
         """
-        if not self.enable_prefix_caching or request.request_id in self.block_tables:
+        if (not self.enable_prefix_caching or request.request_id in self.block_tables
+                or request.needs_prompt_logprobs):
             return []
         hits = []
         for h in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):

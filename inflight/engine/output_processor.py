@@ -59,10 +59,24 @@ class _Group:
     error: str | None = None
     shed_reason: str | None = None
     abort_reason: str | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.seqs)
+
+    def take_prompt_logprobs(self) -> list[dict[int, tuple[float, int]] | None] | None:
+        """The prompt logprobs once complete (those of the first sequence that has them
+        all: the ``n`` share the prompt, so a sequence's first token never comes before
+        them), given once per stream; None when not asked or not complete yet."""
+        if self.seqs[0].request.sampling_params.prompt_logprobs is None \
+                or self.sent_prompt_logprobs:
+            return None
+        for seq in self.seqs:
+            if not seq.request.needs_prompt_logprobs:
+                self.sent_prompt_logprobs = self.stream
+                return seq.request.prompt_logprobs
+        return None
 
 
 @dataclass
@@ -240,7 +254,8 @@ class OutputProcessor:
             prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
             metrics=_metrics([s.request for s in group.seqs]), error=group.error,
             shed_reason=group.shed_reason, abort_reason=group.abort_reason,
-            num_cached_tokens=group.seqs[0].request.num_cached_tokens)
+            num_cached_tokens=group.seqs[0].request.num_cached_tokens,
+            prompt_logprobs=group.take_prompt_logprobs())
 
 
 def _metrics(requests: Sequence[Request]) -> RequestMetrics:

@@ -91,7 +91,8 @@ def merge_outputs(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
     """Fold the delta ``new`` into ``acc`` (same request); returns a new output.
 
     Text, token ids and logprobs of each completion (by ``index``) are concatenated; status
-    fields (``finish_reason``, ``finished``, ``metrics``, ``error``) come from ``new``.
+    fields (``finish_reason``, ``finished``, ``metrics``, ``error``) come from ``new``;
+    ``prompt_logprobs`` from whichever has them.
     """
     by_index = {c.index: c for c in acc.outputs}
     for c in new.outputs:
@@ -106,4 +107,7 @@ def merge_outputs(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
             index=c.index, text=old.text + c.text, token_ids=list(old.token_ids) + list(c.token_ids),
             logprobs=logprobs, finish_reason=c.finish_reason or old.finish_reason,
             stop_reason=c.stop_reason if c.finish_reason else old.stop_reason)
-    return replace(new, outputs=[by_index[i] for i in sorted(by_index)])
+    prompt_logprobs = new.prompt_logprobs if new.prompt_logprobs is not None \
+        else acc.prompt_logprobs  # sent once, with the first delta that has them all
+    return replace(new, outputs=[by_index[i] for i in sorted(by_index)],
+                   prompt_logprobs=prompt_logprobs)

@@ -404,10 +404,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, prompt_rows: bool = False) -> torch.Tensor:
         """``[num_rows, hidden]`` -> ``[num_rows, vocab_size]`` float32 logits of the rows of
-        the last ``forward`` (its quantized-rows rule applies)."""
-        token = _quantized_rows.set(self._step_quant_rows)
+        the last ``forward`` (its quantized-rows rule applies), or with ``prompt_rows`` of
+        prompt positions only (prompt logprobs: the dense weights, as prompt rows use)."""
+        token = _quantized_rows.set(0 if prompt_rows else self._step_quant_rows)
         try:
             return self.lm_head(hidden).float()
         finally:

@@ -60,11 +60,18 @@ def check_prompt_len(engine: AsyncEngine, n: int, max_tokens: int | None,
 
 
 def build_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                          param_names: dict[str, str] | None = None) -> SamplingParams:
-    """``SamplingParams`` from the body; a bad value is a 400 naming the API field."""
+                          param_names: dict[str, str] | None = None, *, n: int | None = None,
+                          prompt_logprobs: int | None = None) -> SamplingParams:
+    """``SamplingParams`` from the body; a bad value is a 400 naming the API field.
+    ``n`` (sequences to generate: ``best_of``) and ``prompt_logprobs`` (``echo``) default
+    to the body's."""
     try:
         return SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            n=req.n if n is None else n,
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logit_bias=({int(t): b for t, b in req.logit_bias.items()}
+                        if req.logit_bias else None),
+            temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
@@ -88,10 +95,27 @@ def check_common(ctx: ServerContext, req: SamplingRequest) -> None:
                           param="stream_options")
     if req.stop_token_ids:
         check_token_ids(ctx, req.stop_token_ids, "stop_token_ids")
+    if req.logit_bias:
+        check_logit_bias(ctx, req.logit_bias)
+    if req.stream and req.prompt_logprobs:  # vLLM's rule: a stream has no place for them
+        raise bad_request("prompt_logprobs are not available when stream=true",
+                          param="prompt_logprobs")
     try:
         req.options().check_policy(ctx.engine.config.scheduling_policy)
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def check_logit_bias(ctx: ServerContext, bias: dict[str, float]) -> None:
+    """400 for a ``logit_bias`` key that is not a token id of the vocabulary (OpenAI's
+    keys are token ids as decimal strings; the bias range is the model's check)."""
+    ids = []
+    for key in bias:
+        if not key.isascii() or not key.isdecimal():
+            raise bad_request(f"logit_bias: keys must be token ids, got {key!r}",
+                              param="logit_bias")
+        ids.append(int(key))
+    check_token_ids(ctx, ids, "logit_bias")
 
 
 def reserve(ctx: ServerContext, num_seqs: int) -> Reservation:
@@ -151,6 +175,7 @@ class Generation:
         self.arrival_time = arrival_time
         self.created = int(time.time())
         self.n = params[0].n
+        self.prompt_texts: list[str] = []  # per prompt, for completions' ``echo``
         self.streams: list[RequestStream] = []
         self._deltas: AsyncIterator[tuple[int, RequestOutput]] | None = None
         self._first: tuple[int, RequestOutput] | None = None

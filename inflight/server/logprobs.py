@@ -71,6 +71,48 @@ def completion_logprobs(tt: TokenTexts, c: CompletionOutput, text_offset: int) -
             "text_offset": offsets}
 
 
+# vLLM's clamp of a -inf logprob: JSON has no infinity.
+_MIN_LOGPROB = -9999.0
+
+
+def echo_logprobs(tt: TokenTexts, prompt_ids: list[int],
+                  prompt_lps: list[dict[int, tuple[float, int]] | None] | None) -> dict:
+    """The legacy ``logprobs`` object of an echoed prompt (``echo`` with ``logprobs``):
+    the first token's logprob and alternatives are null, as OpenAI and vLLM send them.
+    ``completion_logprobs`` of the generated tokens continues it at ``text_offset``
+    ``sum(len(t) for t in tokens)``."""
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for pos, tid in enumerate(prompt_ids):
+        text = tt.text(tid)
+        entry = prompt_lps[pos] if prompt_lps is not None and pos < len(prompt_lps) else None
+        tokens.append(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(max(entry[tid][0], _MIN_LOGPROB))
+            tops.append({tt.text(k): max(v[0], _MIN_LOGPROB) for k, v in entry.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def prompt_logprobs(tt: TokenTexts,
+                    lps: list[dict[int, tuple[float, int]] | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token_id:
+    {"logprob", "rank", "decoded_token"}}`` of the token and the top-k."""
+    if lps is None:
+        return None
+    return [None if e is None else {
+        str(t): {"logprob": max(lp, _MIN_LOGPROB), "rank": rank, "decoded_token": tt.text(t)}
+        for t, (lp, rank) in e.items()} for e in lps]
+
+
 def chat_logprobs(tt: TokenTexts, c: CompletionOutput, top_k: int) -> dict:
     """Chat ``logprobs`` object: per token its logprob, bytes and ``top_k`` alternatives."""
     content = []

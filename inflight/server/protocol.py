@@ -4,7 +4,8 @@ Fields follow OpenAI's Completions and Chat Completions references
 (https://platform.openai.com/docs/api-reference/completions,
 https://platform.openai.com/docs/api-reference/chat) plus vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``;
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+``prompt_logprobs``;
 https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html). Validation is strict
 (``"5"`` is not an integer, ``NaN`` is not a number); unknown fields are ignored, as in vLLM.
 Value ranges of sampling fields are checked by ``SamplingParams``, which names the field.
@@ -51,11 +52,13 @@ class StreamOptions(_Strict):
 # OpenAI / vLLM request fields this server does not implement. Sent with a value that
 # would change the output, they get a 400 naming the field rather than being ignored;
 # other unknown fields (``user``, ``metadata``, ``store``, ...) are ignored, as OpenAI does.
+# ``echo`` and ``best_of`` are completions fields (``CompletionRequest`` declares them):
+# sent to chat they are refused here.
 UNSUPPORTED_FIELDS = frozenset({
-    "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "response_format", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "structured_outputs", "functions",
     "function_call", "tools", "tool_choice", "echo", "suffix", "best_of", "chat_template",
-    "chat_template_kwargs", "continue_final_message", "prompt_logprobs", "logits_processors",
+    "chat_template_kwargs", "continue_final_message", "logits_processors",
     "audio", "modalities", "prediction", "bad_words", "allowed_token_ids",
 })
 
@@ -105,6 +108,12 @@ class SamplingRequest(_Strict):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's prompt logprobs: per prompt token (None for the first) its logprob, rank and
+    # the top ``prompt_logprobs`` alternatives. Not with stream=true (as vLLM; 0 is inert).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # OpenAI's: token id (a decimal string) -> bias in [-100, 100] added to its logit
+    # before sampling; returned logprobs stay the model's raw ones (vLLM's default).
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # Scheduling (vLLM's ``priority``; inflight's latency targets for --scheduling-policy slo).
     priority: int = 0
     ttft_slo: Annotated[float, Field(gt=0)] | None = None
@@ -121,14 +130,25 @@ class CompletionRequest(SamplingRequest):
     ``prompt`` is a string, a list of strings, a list of token ids, or a list of such lists;
     each prompt becomes ``n`` choices, indexed ``prompt_index * n + i``. ``logprobs`` asks
     for that many top log-probabilities per token (0..20; the sampled token's own is
-    always included). ``echo``, ``suffix``, ``best_of != n`` and ``logit_bias`` are not
+    always included). ``echo`` puts the prompt text before each choice's text and, with
+    ``logprobs``, the prompt tokens' logprobs before the generated ones (the first prompt
+    token's are null), as OpenAI's legacy API and vLLM; ``max_tokens: 0`` is allowed with
+    ``echo`` only (scoring: the one token generated is dropped from the choice, and still
+    counted in ``usage``, as vLLM). ``best_of`` (>= n, not with stream) generates that many
+    candidates per prompt and returns the ``n`` with the highest cumulative logprob.
+    ``prompt_logprobs`` (vLLM's) adds ``prompt_logprobs`` to each choice. ``suffix`` is not
     supported and answered with 400.
     """
 
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: Annotated[int, Field(ge=0, json_schema_extra={MAX_TOKENS_MARK: True})] | None = \
+        Field(None, description="output tokens per choice; None: up to max_model_len; "
+                                "0 only with echo (scoring the prompt)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
 
 class TextPart(_Strict):
@@ -158,7 +178,8 @@ class ChatCompletionRequest(SamplingRequest):
     ``messages`` go through the model's chat template (``add_generation_prompt`` as
     vLLM). ``max_completion_tokens`` takes precedence over the deprecated ``max_tokens``.
     ``logprobs=true`` returns the sampled token's log-probability, ``top_logprobs`` (0..20)
-    that many alternatives. ``tools`` are not supported (400).
+    that many alternatives. ``prompt_logprobs`` (vLLM's) adds ``prompt_logprobs`` to the
+    response. ``tools``, ``echo`` and ``best_of`` other than ``n`` are not supported (400).
     """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

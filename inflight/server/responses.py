@@ -34,10 +34,24 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With ``echo`` the prompt's tokens come first, the first one's entries null."""
+
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's: one token's entry in ``prompt_logprobs`` (keyed by its id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token null (the first) or {token id: entry}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -46,6 +60,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: str | int | None
+    prompt_logprobs: PromptLogprobs | None
 
 
 class CompletionResponse(BaseModel):
@@ -98,6 +113,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(BaseModel):

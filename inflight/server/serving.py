@@ -13,6 +13,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from inflight.outputs import RequestOutput
@@ -20,7 +21,8 @@ from inflight.server.errors import OpenAIError, bad_request
 from inflight.server.generation import (Generation, ServerContext, build_sampling_params,
                                         check_common, check_prompt_len, check_token_ids,
                                         encode, reserve)
-from inflight.server.logprobs import chat_logprobs, completion_logprobs
+from inflight.server.logprobs import (chat_logprobs, completion_logprobs, echo_logprobs,
+                                      prompt_logprobs)
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
 from inflight.tokenizer import ChatTemplateError
 
@@ -30,6 +32,7 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
                              arrival_time: float) -> Generation:
     """Validate and tokenize a completions body (raises ``OpenAIError``)."""
     check_common(ctx, req)
+    check_completion_fields(req)
     raw: list[str] | list[list[int]] | list[str | list[int]]
     if isinstance(req.prompt, str):
         raw = [req.prompt]
@@ -39,7 +42,8 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
         raw = req.prompt  # type: ignore[assignment]
     if not raw:
         raise bad_request("prompt: must not be empty", param="prompt")
-    reservation = reserve(ctx, len(raw) * req.n)
+    num_seqs = req.best_of or req.n  # best_of candidates are generated, n returned
+    reservation = reserve(ctx, len(raw) * num_seqs)
     try:
         prompts: list[list[int]] = []
         for p in raw:
@@ -51,14 +55,77 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
             if not ids:
                 raise bad_request("prompt: must not be empty", param="prompt")
             prompts.append(ids)
+        # Scoring (echo, max_tokens 0) generates one token and drops it, as vLLM does.
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+        prompt_lps = req.prompt_logprobs
+        if prompt_lps is None and req.echo:
+            prompt_lps = req.logprobs  # the echoed prompt's logprobs
+        # best_of ranks candidates by cumulative logprob: the sampled tokens' are needed.
+        logprobs = 0 if req.logprobs is None and num_seqs > req.n else req.logprobs
         params = [build_sampling_params(
-            req, check_prompt_len(ctx.engine, len(ids), req.max_tokens), req.logprobs)
-            for ids in prompts]
-        return Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
-                          reservation, req.options())
+            req, check_prompt_len(ctx.engine, len(ids), max_tokens), logprobs,
+            n=num_seqs, prompt_logprobs=prompt_lps) for ids in prompts]
+        gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
+                         reservation, req.options())
+        if req.echo:
+            tok = ctx.engine.tokenizer
+            gen.prompt_texts = [p if isinstance(p, str) else await asyncio.to_thread(
+                tok.decode, ids, skip_special_tokens=False) for p, ids in zip(raw, prompts)]
+        return gen
     except BaseException:  # a 400 after admission, or the client gone: free the places
         reservation.release()
         raise
+
+
+def check_completion_fields(req: CompletionRequest) -> None:
+    """The completions-only fields' rules (vLLM's and OpenAI's), as 400s naming them."""
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens: must be at least 1 (0 only with echo=true: "
+                          "scoring the prompt)", param="max_tokens")
+    if req.best_of is not None:
+        if req.best_of < req.n:
+            raise bad_request(f"best_of: must be >= n ({req.n}), got {req.best_of}",
+                              param="best_of")
+        if req.stream and req.best_of > req.n:
+            raise bad_request("best_of: other than n is not supported with stream=true",
+                              param="best_of")
+
+
+def _cumulative_logprob(c) -> float:
+    return sum(lp.get(t, 0.0) for t, lp in zip(c.token_ids, c.logprobs or []))
+
+
+def completion_choices(gen: Generation, req: CompletionRequest, i: int,
+                       out: RequestOutput) -> list[dict[str, Any]]:
+    """The choices of prompt ``i``: with ``best_of`` the ``n`` candidates of highest
+    cumulative logprob (the sampled tokens' raw logprobs; ties keep generation order),
+    with ``echo`` the prompt text and its logprobs first, with ``max_tokens: 0`` nothing
+    generated."""
+    tt = gen.ctx.token_texts
+    cands = sorted(out.outputs, key=lambda c: c.index)
+    if len(cands) > req.n:
+        cands = sorted(cands, key=lambda c: -_cumulative_logprob(c))[:req.n]
+    choices: list[dict[str, Any]] = []
+    for j, c in enumerate(cands):
+        if req.max_tokens == 0:
+            c = replace(c, text="", token_ids=[], logprobs=[])
+        text, logprobs = c.text, None
+        echo_offset = 0
+        if req.echo:
+            text = gen.prompt_texts[i] + text
+        if req.logprobs is not None:
+            if req.echo:
+                logprobs = echo_logprobs(tt, gen.prompts[i], out.prompt_logprobs)
+                echo_offset = sum(len(t) for t in logprobs["tokens"])
+            gen_lps = completion_logprobs(tt, c, echo_offset)
+            logprobs = gen_lps if logprobs is None else {
+                k: logprobs[k] + gen_lps[k] for k in gen_lps}
+        choices.append({
+            "index": i * req.n + j, "text": text, "logprobs": logprobs,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "prompt_logprobs": (prompt_logprobs(tt, out.prompt_logprobs)
+                                if req.prompt_logprobs is not None else None)})
+    return choices
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -69,17 +136,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def completion_response(gen: Generation, req: CompletionRequest,
                         finals: list[RequestOutput]) -> dict:
     """The non-streamed ``text_completion`` object."""
-    tt = gen.ctx.token_texts
     choices: list[dict[str, Any]] = []
-    completion_tokens = 0
+    completion_tokens = 0  # every generated token, best_of's dropped candidates included
     for i, out in enumerate(finals):
-        for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            choices.append({
-                "index": i * gen.n + c.index, "text": c.text,
-                "logprobs": completion_logprobs(tt, c, 0) if req.logprobs is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    choices.sort(key=lambda ch: ch["index"])
+        completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        choices += completion_choices(gen, req, i, out)
     return {"id": gen.request_id, "object": "text_completion", "created": gen.created,
             "model": gen.ctx.model_name, "choices": choices,
             "usage": _usage(gen.num_prompt_tokens, completion_tokens)}
@@ -97,8 +158,8 @@ async def _sse_stream(gen: Generation, req, obj: str, choice,
     event per visible choice delta, an error event if the engine fails mid-stream (the 200
     is sent), a usage chunk if asked, ``[DONE]``.
 
-    ``choice(prompt_index, completion)`` builds one choice dict, or None for a delta a
-    client could not see (a held-back partial character). Usage follows OpenAI's
+    ``choice(prompt_index, completion, output)`` builds one choice dict, or None for a
+    delta a client could not see (a held-back partial character). Usage follows OpenAI's
     ``stream_options.include_usage`` (``"usage": null`` on every chunk but the last, which
     has no choices) and vLLM's ``continuous_usage_stats`` (the running usage on every chunk).
     """
@@ -124,7 +185,7 @@ async def _sse_stream(gen: Generation, req, obj: str, choice,
             return
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            body = choice(i, c)
+            body = choice(i, c, out)
             if body is not None:
                 yield chunk([body])
     if include_usage:
@@ -136,16 +197,30 @@ def stream_completion(gen: Generation, req: CompletionRequest) -> AsyncIterator[
     """SSE ``text_completion`` chunks, then a usage chunk if asked, then ``[DONE]``."""
     tt = gen.ctx.token_texts
     offsets: dict[int, int] = {}
+    prompt_lps: dict[int, list] = {}  # by prompt: the echoed prompt's logprobs
 
-    def choice(i: int, c) -> dict | None:
-        if not c.text and c.finish_reason is None and req.logprobs is None:
-            return None
+    def choice(i: int, c, out: RequestOutput) -> dict | None:
         index = i * gen.n + c.index
-        logprobs = None
+        if out.prompt_logprobs is not None:
+            prompt_lps[i] = out.prompt_logprobs
+        if req.max_tokens == 0:  # scoring: the one generated token is not shown
+            c = replace(c, text="", token_ids=[], logprobs=[])
+        echo = req.echo and index not in offsets  # the choice's first chunk
+        if not c.text and c.finish_reason is None and req.logprobs is None and not echo:
+            return None
+        text, logprobs = c.text, None
+        if echo:
+            text = gen.prompt_texts[i] + text
         if req.logprobs is not None:
-            logprobs = completion_logprobs(tt, c, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-        return {"index": index, "text": c.text, "logprobs": logprobs,
+            if echo:
+                logprobs = echo_logprobs(tt, gen.prompts[i], prompt_lps.get(i))
+                offsets[index] = sum(len(t) for t in logprobs["tokens"])
+            gen_lps = completion_logprobs(tt, c, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in gen_lps["tokens"])
+            logprobs = gen_lps if logprobs is None else {
+                k: logprobs[k] + gen_lps[k] for k in gen_lps}
+        offsets.setdefault(index, 0)
+        return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
     return _sse_stream(gen, req, "text_completion", choice)
 
@@ -231,9 +306,12 @@ def chat_response(gen: Generation, req: ChatCompletionRequest,
         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
     } for c in sorted(out.outputs, key=lambda c: c.index)]
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-    return {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
+    body = {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
             "model": gen.ctx.model_name, "choices": choices,
             "usage": _usage(gen.num_prompt_tokens, completion_tokens)}
+    if req.prompt_logprobs is not None:  # vLLM's: on the response, not on each choice
+        body["prompt_logprobs"] = prompt_logprobs(tt, out.prompt_logprobs)
+    return body
 
 
 def stream_chat(gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -243,7 +321,7 @@ def stream_chat(gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[st
     "content": ""}``), as OpenAI and vLLM send it; text follows in ``content`` deltas."""
     tt = gen.ctx.token_texts
 
-    def choice(_: int, c) -> dict | None:
+    def choice(_: int, c, __: RequestOutput) -> dict | None:
         if not c.text and c.finish_reason is None and not req.logprobs:
             return None
         return {"index": c.index, "delta": {"content": c.text},
