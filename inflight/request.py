@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from inflight.sampling_params import SamplingParams
 
@@ -101,6 +101,9 @@ class Request:
         # token, then ``{token_id: (logprob, rank)}`` of the prompt token and the top-k
         # (rank 1 = most likely). Filled by the model runner as the prompt is computed.
         self.prompt_logprobs: list[dict[int, tuple[float, int]] | None] = []
+        # With ``sampling_params.structured_outputs``: this sequence's grammar matcher
+        # (``structured_output.GrammarState``), set by the engine; the sampler masks by it.
+        self.grammar: Any = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0

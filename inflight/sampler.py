@@ -14,11 +14,16 @@ what they are batched with; unseeded ones share the engine's generator.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from inflight.core.output import SampleResult
 from inflight.faults import FAULTS
 from inflight.request import Request
+from inflight.structured_output import GrammarState, apply_grammar_masks
+
+logger = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -54,6 +59,12 @@ class Sampler:
         if any(_needs_penalties(r) for r in requests):
             # Penalties edit logits in place; the raw ones stay intact for logprobs.
             logits = self._apply_penalties(logits.clone(), requests)
+        # a terminated grammar's request ends in this step's update; never mask by it
+        constrained = [(i, r.grammar) for i, r in enumerate(requests)
+                       if r.grammar is not None and not r.grammar.is_terminated]
+        if constrained:
+            logits = self._apply_grammars(logits if logits is not raw else logits.clone(), raw,
+                                          constrained, requests)
         greedy = [r.sampling_params.is_greedy for r in requests]
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
@@ -61,8 +72,34 @@ class Sampler:
             sampled = self._sample_random(logits[rows], [requests[i] for i in rows])
             tokens[rows] = sampled
         token_list = tokens.tolist()
+        for i, state in constrained:
+            if not state.accept(token_list[i]):  # cannot happen: the mask allowed it
+                logger.error("request %s: grammar rejected sampled token %d",
+                             requests[i].request_id, token_list[i])
         logprob_list = self._logprobs(raw, tokens, requests)
         return [SampleResult(r, t, lp) for r, t, lp in zip(requests, token_list, logprob_list)]
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, raw: torch.Tensor,
+                        constrained: list[tuple[int, GrammarState]],
+                        requests: list[Request]) -> torch.Tensor:
+        """Mask each constrained row to its grammar's next tokens, in place. Where the other
+        processors left none of them (``min_tokens`` banning the stop token a finished
+        grammar allows: the only processor that sets -inf), the row falls back to the raw
+        logits under the mask alone."""
+        bitmask = apply_grammar_masks(logits, constrained)
+        banning = [i for i, _ in constrained
+                   if requests[i].num_output_tokens < requests[i].sampling_params.min_tokens]
+        if not banning:
+            return logits
+        rows = torch.tensor(banning, device=logits.device)
+        dead = rows[torch.isinf(logits[rows].amax(dim=-1))].tolist()
+        if dead:
+            import xgrammar as xgr
+
+            logits[dead] = raw[dead]
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=dead)
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         for i, r in enumerate(requests):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from inflight.structured_output import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -46,6 +48,8 @@ class SamplingParams:
             nothing from the prefix cache: every prompt position is computed.
         logit_bias: ``{token_id: bias}`` added to the logits before sampling (OpenAI's
             ``logit_bias``, bias in [-100, 100]); returned logprobs stay the raw ones.
+        structured_outputs: what the output must match (a JSON schema, regex, choice or
+            grammar; ``inflight.structured_output``); None: unconstrained.
     """
 
     n: int = 1
@@ -67,6 +71,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in from ``stop`` / ``stop_token_ids``: always tuples.
     stop_strings: tuple[str, ...] = field(init=False, default=())
     stop_ids: tuple[int, ...] = field(init=False, default=())
@@ -118,6 +123,9 @@ class SamplingParams:
             _is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100
             for t, b in self.logit_bias.items())),
             "logit_bias", "must map token ids to biases in [-100, 100]")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams or None")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
 

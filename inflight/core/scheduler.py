@@ -243,6 +243,8 @@ class Scheduler:
     def _check_stop(self, req: Request) -> RequestStatus | None:
         p = req.sampling_params
         token = req.output_token_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar ended: nothing may follow
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -122,6 +122,11 @@ class AsyncEngine:
         """``Engine.check_prompt_fits``; safe on the event loop (it reads only settings)."""
         return self.engine.check_prompt_fits(num_prompt_tokens, max_tokens)
 
+    def compile_grammar(self, params: Any) -> Any:
+        """``Engine.compile_grammar``: thread-safe and cached, so the server compiles on a
+        worker thread and the engine thread's own call finds the grammar compiled."""
+        return self.engine.compile_grammar(params)
+
     @property
     def is_running(self) -> bool:
         """True while the engine thread is alive and accepting requests."""

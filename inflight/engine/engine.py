@@ -20,10 +20,12 @@ from inflight.core.scheduler import Scheduler
 from inflight.engine.inputs import tokenize_prompt
 from inflight.engine.output_processor import OutputProcessor
 from inflight.engine.stats import EngineStats
+from inflight.errors import InvalidRequestError
 from inflight.outputs import RequestOutput
 from inflight.profiling import StepTimer
 from inflight.request import Request, RequestOptions, RequestStatus
 from inflight.sampling_params import SamplingParams
+from inflight.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class Engine:
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache, max_model_len, clock)
         self.output_processor = OutputProcessor(tokenizer)
+        self.grammar_compiler = GrammarCompiler(tokenizer) if tokenizer is not None else None
         self._num_steps = 0
         self.last_plan: SchedulerOutput | None = None  # the last non-empty step's plan (step logs)
         # Per-request runner state to forget when a request ends (the sampler's generators);
@@ -113,11 +116,30 @@ class Engine:
         params = sampling_params or SamplingParams()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
         self.check_prompt_fits(len(ids))
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.compile_grammar(params.structured_outputs)
         arrival = self.clock() if arrival_time is None else arrival_time
         for req in self.output_processor.add_request(
                 request_id, text, ids, params, stream=stream, arrival_time=arrival,
                 eos_token_ids=self.eos_token_ids, options=options or _NO_OPTIONS):
+            if grammar is not None:
+                req.grammar = GrammarState(grammar)  # one matcher per sequence of n
             self.scheduler.add_request(req)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar for ``params`` (cached; thread-safe, so the server compiles
+        on a worker thread first and the engine thread then finds it in the cache).
+
+        Raises:
+            InvalidRequestError: the spec does not compile, or there is no tokenizer.
+        """
+        if self.grammar_compiler is None:
+            raise InvalidRequestError("structured_outputs: needs the model's tokenizer")
+        try:
+            return self.grammar_compiler.compile(params)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
 
     def abort_request(self, request_id: str, reason: str | None = None) -> bool:
         """Abort a request and all its sequences; frees their KV blocks at once.

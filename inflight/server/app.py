@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import os
+import pathlib
 import signal
 import socket
 import threading
@@ -44,6 +45,7 @@ from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics
 from inflight.server.middleware import (AdmissionMiddleware, ApiKeyMiddleware,
                                         BodySizeLimitMiddleware)
+from inflight.server.tool_parsers import TOOL_PARSERS
 from inflight.server.protocol import (MAX_TOKENS_MARK, TOKEN_ID_MARK, ChatCompletionRequest,
                                       CompletionRequest, DetokenizeRequest, TokenizeRequest)
 
@@ -58,7 +60,8 @@ API_KEY_ENV = "INFLIGHT_API_KEY"
 # --- the app ------------------------------------------------------------------------------
 def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stats_window_s: float = 60.0,
-              manage_engine: bool = True) -> FastAPI:
+              manage_engine: bool = True, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -69,7 +72,18 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
         max_body_bytes: larger request bodies get 413.
         stats_window_s: seconds covered by ``/stats`` and the ``*_window`` gauges.
         manage_engine: shut the engine down when the app stops.
+        tool_call_parser: how ``tool_choice: "auto"`` replies are parsed into tool calls
+            (``tool_parsers.TOOL_PARSERS``); None: no auto tool choice.
+        enable_auto_tool_choice: allow ``tool_choice: "auto"`` (vLLM's flag).
+
+    Raises:
+        ValueError: no model name, an unknown tool parser, or auto tool choice without one.
     """
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, "
+                         f"got {tool_call_parser!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: needs --tool-call-parser")
     if not model_names:
         raise ValueError("model_names: at least one name is required")
     cfg = engine.config
@@ -78,7 +92,8 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
                             config_labels=_config_labels(engine, model_names[0]),
                             model_name=model_names[0], cache_config=_cache_config(engine))
     engine.listeners.append(metrics.on_step)
-    ctx = ServerContext(engine, list(model_names), metrics, TokenTexts(engine.tokenizer))
+    ctx = ServerContext(engine, list(model_names), metrics, TokenTexts(engine.tokenizer),
+                        tool_call_parser, enable_auto_tool_choice)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -415,6 +430,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--step-log", metavar="FILE.jsonl",
                    help="write every engine step's shape and time here, to fit a simulator profile "
                         "from real serving (`inflight profile --from-step-log`)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) to use instead "
+                        "of the model's, e.g. one that renders tools (vLLM's flag)")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="how replies are parsed into tool calls for tool_choice auto: hermes "
+                        "(<tool_call> JSON, Hermes / Qwen) or llama3_json (Llama 3.1+)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice auto (needs --tool-call-parser), as vLLM")
     EngineConfig.add_cli_args(p)
     return p
 
@@ -517,6 +540,17 @@ def build_engine_off_main_thread(build: Callable[[], Any]) -> Any:
     return box["engine"]
 
 
+def load_chat_template(arg: str) -> str:
+    """``--chat-template``: a file's text, or the argument itself when it holds Jinja
+    (vLLM's rule). Raises ``FileNotFoundError`` for a path that is neither."""
+    path = pathlib.Path(arg)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in arg or "{%" in arg:
+        return arg
+    raise FileNotFoundError(f"chat_template: no such file: {arg}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """``inflight serve``: load the engine, serve until SIGINT/SIGTERM, exit 0.
 
@@ -529,18 +563,29 @@ def run_serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args)
     if args.max_num_waiting < 0:
         raise ValueError(f"max_num_waiting: must be >= 0, got {args.max_num_waiting}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: needs --tool-call-parser")
+    template = load_chat_template(args.chat_template) if args.chat_template else None
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [default_model_name(config.model)]
     sock = _bind_socket(args.host, args.port)
-    engine = AsyncEngine(build_engine_off_main_thread(lambda: Engine(config)),
-                         max_num_waiting=args.max_num_waiting, log_interval_s=args.stats_log_interval)
+    core = build_engine_off_main_thread(lambda: Engine(config))
+    if template is not None:
+        from inflight.tokenizer import check_chat_template
+
+        core.tokenizer.chat_template = template
+        check_chat_template(core.tokenizer, args.chat_template)  # refuse an unsafe one
+    engine = AsyncEngine(core, max_num_waiting=args.max_num_waiting,
+                         log_interval_s=args.stats_log_interval)
     step_log = None
     if args.step_log:
         from inflight.sim.steplog import StepLog
         step_log = StepLog(args.step_log, engine, args.max_num_waiting)
         engine.listeners.append(step_log)
     app = build_app(engine, model_names=names, api_key=api_key,
-                    max_body_bytes=args.max_request_body_bytes, stats_window_s=args.stats_window)
+                    max_body_bytes=args.max_request_body_bytes, stats_window_s=args.stats_window,
+                    tool_call_parser=args.tool_call_parser,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice)
     log_level = getattr(args, "log_level", "info").lower()
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                access_log=args.access_log, lifespan="on",

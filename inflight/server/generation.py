@@ -26,6 +26,7 @@ from inflight.server.errors import OpenAIError, bad_request, from_value_error, t
 from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics
 from inflight.server.protocol import SamplingRequest
+from inflight.structured_output import StructuredOutputsParams
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ServerContext:
     model_names: list[str]
     metrics: ServerMetrics
     token_texts: TokenTexts
+    tool_call_parser: str | None = None  # --tool-call-parser (server/tool_parsers.py)
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
 
     @property
     def model_name(self) -> str:
@@ -61,7 +64,9 @@ def check_prompt_len(engine: AsyncEngine, n: int, max_tokens: int | None,
 
 def build_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
                           param_names: dict[str, str] | None = None, *, n: int | None = None,
-                          prompt_logprobs: int | None = None) -> SamplingParams:
+                          prompt_logprobs: int | None = None,
+                          structured_outputs: StructuredOutputsParams | None = None
+                          ) -> SamplingParams:
     """``SamplingParams`` from the body; a bad value is a 400 naming the API field.
     ``n`` (sequences to generate: ``best_of``) and ``prompt_logprobs`` (``echo``) default
     to the body's."""
@@ -81,7 +86,7 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int |
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs)
     except ValueError as e:
         raise from_value_error(e, param_names) from None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from inflight.request import RequestOptions
 
@@ -55,9 +55,8 @@ class StreamOptions(_Strict):
 # ``echo`` and ``best_of`` are completions fields (``CompletionRequest`` declares them):
 # sent to chat they are refused here.
 UNSUPPORTED_FIELDS = frozenset({
-    "response_format", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "guided_decoding_backend", "structured_outputs", "functions",
-    "function_call", "tools", "tool_choice", "echo", "suffix", "best_of", "chat_template",
+    "functions",
+    "function_call", "echo", "suffix", "best_of", "chat_template",
     "chat_template_kwargs", "continue_final_message", "logits_processors",
     "audio", "modalities", "prediction", "bad_words", "allowed_token_ids",
 })
@@ -67,11 +66,39 @@ def _is_inert(name: str, value, n: int) -> bool:
     """Whether an unsupported field's value asks for nothing beyond the defaults."""
     if value is None or value is False or value in ("", {}, []):
         return True
-    if name == "response_format":
-        return isinstance(value, dict) and value.get("type") == "text"
-    if name == "tool_choice":
-        return value == "none"
     return name == "best_of" and value == n
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema`` (OpenAI's): the schema the output must satisfy."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False,
+                              populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format`` (OpenAI's): ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (the output validates against ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` object: exactly one of ``json`` (a JSON schema),
+    ``regex``, ``choice``, ``grammar`` (EBNF, start rule ``root``), ``json_object``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False,
+                              populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(_Strict):
@@ -114,6 +141,14 @@ class SamplingRequest(_Strict):
     # OpenAI's: token id (a decimal string) -> bias in [-100, 100] added to its logit
     # before sampling; returned logprobs stay the model's raw ones (vLLM's default).
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # Structured output (``server/structured.py`` maps these; at most one per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's; accepted and ignored (xgrammar)
     # Scheduling (vLLM's ``priority``; inflight's latency targets for --scheduling-policy slo).
     priority: int = 0
     ttft_slo: Annotated[float, Field(gt=0)] | None = None
@@ -158,18 +193,95 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    """A call the assistant made: the function's name and its arguments as JSON text."""
+
+    name: NonEmptyStr
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """An assistant message's ``tool_calls[]`` entry (OpenAI's shape)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# The rule the validators below enforce, said in the document too (fuzzers and clients
+# read it there): content is required, except on an assistant message with tool calls.
+_MESSAGE_RULE = {"anyOf": [
+    {"properties": {"role": {"const": "assistant"}},
+     "anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+               {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]},
+    {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]},
+                    "content": {"not": {"type": "null"}}, "tool_calls": {"type": "null"}},
+     "required": ["content"]},
+]}
+
+
 class ChatMessage(_Strict):
-    """One chat message; list content is joined into one string (text parts only)."""
+    """One chat message; list content is joined into one string (text parts only).
+
+    ``content`` may be null only on an assistant message that carries ``tool_calls``; a
+    ``tool`` message answers the call named by ``tool_call_id``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False,
+                              json_schema_extra=_MESSAGE_RULE)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # Required: with no tool calls there is nothing else a message could carry.
-    content: str | list[TextPart]
+    # Declared before ``content`` so that its check sees them (an error names the field).
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
     name: str | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "\n".join(p.text for p in self.content)
-        return self.content
+        return self.content or ""
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_from_assistant(cls, v, info: ValidationInfo):
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, v, info: ValidationInfo):
+        if v is None and not (info.data.get("role") == "assistant"
+                              and info.data.get("tool_calls")):
+            raise ValueError("required unless an assistant message has tool_calls")
+        return v
+
+
+class FunctionDefinition(_Strict):
+    """``tools[].function``: a name, what it does, and its parameters' JSON schema."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One entry of ``tools`` (OpenAI's: functions only)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -179,7 +291,8 @@ class ChatCompletionRequest(SamplingRequest):
     vLLM). ``max_completion_tokens`` takes precedence over the deprecated ``max_tokens``.
     ``logprobs=true`` returns the sampled token's log-probability, ``top_logprobs`` (0..20)
     that many alternatives. ``prompt_logprobs`` (vLLM's) adds ``prompt_logprobs`` to the
-    response. ``tools``, ``echo`` and ``best_of`` other than ``n`` are not supported (400).
+    response. ``tools`` and ``tool_choice`` as OpenAI's (``server/tools.py``).
+    ``echo`` and ``best_of`` other than ``n`` are not supported (400).
     """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -187,6 +300,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # accepted; ``required`` may return several calls
 
 
 class TokenizeRequest(_Strict):

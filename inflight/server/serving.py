@@ -24,6 +24,8 @@ from inflight.server.generation import (Generation, ServerContext, build_samplin
 from inflight.server.logprobs import (chat_logprobs, completion_logprobs, echo_logprobs,
                                       prompt_logprobs)
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.server.structured import check_structured_outputs
+from inflight.server.tools import plan_tools, template_tool_call
 from inflight.tokenizer import ChatTemplateError
 
 
@@ -55,6 +57,7 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
             if not ids:
                 raise bad_request("prompt: must not be empty", param="prompt")
             prompts.append(ids)
+        structured = await check_structured_outputs(ctx, req)
         # Scoring (echo, max_tokens 0) generates one token and drops it, as vLLM does.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         prompt_lps = req.prompt_logprobs
@@ -64,7 +67,8 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
         logprobs = 0 if req.logprobs is None and num_seqs > req.n else req.logprobs
         params = [build_sampling_params(
             req, check_prompt_len(ctx.engine, len(ids), max_tokens), logprobs,
-            n=num_seqs, prompt_logprobs=prompt_lps) for ids in prompts]
+            structured_outputs=structured, n=num_seqs, prompt_logprobs=prompt_lps)
+            for ids in prompts]
         gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
                          reservation, req.options())
         if req.echo:
@@ -251,14 +255,20 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
     reservation = reserve(ctx, req.n)
     try:
         tok = ctx.engine.tokenizer
-        text = await render_chat(ctx, messages, req.add_generation_prompt)
+        plan = plan_tools(ctx, req)
+        text = await render_chat(ctx, messages, req.add_generation_prompt,
+                                 tools=plan.tools if plan is not None else None)
         ids = await encode(ctx, text, "messages", add_special_tokens=False)
         if not ids:
             raise bad_request("messages: the rendered prompt is empty", param="messages")
         names = {"prompt": "messages", "max_tokens": max_param}
         mt = check_prompt_len(ctx.engine, len(ids), max_tokens, names)
+        forced = plan.structured if plan is not None else None
+        structured = await check_structured_outputs(
+            ctx, req, (forced, "tool_choice") if forced is not None else None)
         params = build_sampling_params(req, mt, logprobs,
-                                       {"logprobs": "top_logprobs", "max_tokens": max_param})
+                                       {"logprobs": "top_logprobs", "max_tokens": max_param},
+                                       structured_outputs=structured)
         return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
                           reservation, req.options(), names)
     except BaseException:  # a 400 after admission, or the client gone: free the places
@@ -266,7 +276,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         raise
 
 
-async def render_chat(ctx: ServerContext, messages: list[dict], add_generation_prompt: bool) -> str:
+async def render_chat(ctx: ServerContext, messages: list[dict], add_generation_prompt: bool,
+                      tools: list[dict] | None = None) -> str:
     """The prompt text of ``messages`` through the model's chat template, off the event loop.
 
     Raises:
@@ -277,7 +288,7 @@ async def render_chat(ctx: ServerContext, messages: list[dict], add_generation_p
     """
     try:
         return await asyncio.to_thread(ctx.engine.tokenizer.apply_chat_template, messages,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, tools=tools)
     except ChatTemplateError as e:
         raise OpenAIError(500, str(e), code="chat_template_error") from None
     except ValueError as e:
@@ -288,9 +299,13 @@ def render_messages(messages) -> list[dict]:
     """Plain dicts for the chat template."""
     out = []
     for m in messages:
-        d = {"role": m.role, "content": m.text()}
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [template_tool_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
@@ -300,11 +315,16 @@ def chat_response(gen: Generation, req: ChatCompletionRequest,
     """The non-streamed ``chat.completion`` object."""
     tt = gen.ctx.token_texts
     out = finals[0]
-    choices = [{
-        "index": c.index, "message": {"role": "assistant", "content": c.text},
-        "logprobs": chat_logprobs(tt, c, req.top_logprobs or 0) if req.logprobs else None,
-        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-    } for c in sorted(out.outputs, key=lambda c: c.index)]
+    plan = plan_tools(gen.ctx, req)  # validated when the request was prepared
+    choices = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        message, finish_reason = (plan.message(c.text, c.finish_reason) if plan is not None
+                                  else ({"role": "assistant", "content": c.text},
+                                        c.finish_reason))
+        choices.append({
+            "index": c.index, "message": message,
+            "logprobs": chat_logprobs(tt, c, req.top_logprobs or 0) if req.logprobs else None,
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     body = {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
             "model": gen.ctx.model_name, "choices": choices,
@@ -320,13 +340,21 @@ def stream_chat(gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[st
     Each choice opens with a chunk carrying the role alone (``{"role": "assistant",
     "content": ""}``), as OpenAI and vLLM send it; text follows in ``content`` deltas."""
     tt = gen.ctx.token_texts
+    plan = plan_tools(gen.ctx, req)  # validated when the request was prepared
+    streams = {i: plan.streamer() for i in range(gen.n)} if plan is not None else {}
 
     def choice(_: int, c, __: RequestOutput) -> dict | None:
-        if not c.text and c.finish_reason is None and not req.logprobs:
+        delta: dict | None = {"content": c.text}
+        finish_reason = c.finish_reason
+        if plan is not None:
+            delta, finish_reason = streams[c.index].delta(c.text, c.finish_reason)
+        if delta is None and finish_reason is None and not req.logprobs:
             return None
-        return {"index": c.index, "delta": {"content": c.text},
+        if not c.text and finish_reason is None and not req.logprobs:
+            return None
+        return {"index": c.index, "delta": delta or {},
                 "logprobs": chat_logprobs(tt, c, req.top_logprobs or 0) if req.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason}
     opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None} for i in range(gen.n)]
     return _sse_stream(gen, req, "chat.completion.chunk", choice, opening)

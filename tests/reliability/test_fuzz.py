@@ -29,7 +29,7 @@ from tests.server.conftest import MODEL, serve, wait_until
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 48
-EXAMPLES = 25  # per operation; the suite's budget (~60 s on 2 cores), not a coverage goal
+EXAMPLES = 30  # per operation; the suite's budget (~60 s on 2 cores), not a coverage goal
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 

@@ -126,10 +126,15 @@ BAD_INPUTS = [
      "messages"),
     ("/tokenize", '{"prompt": "\\ud800"}', 400, "prompt"),
     # Known OpenAI/vLLM fields this server does not implement are refused, not ignored.
+    # Structured output that cannot compile, or two at once, names the field.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "guided_json": {"type": "object"}}, 400, "guided_json"),
+                              "guided_json": {"type": 5}}, 400, "guided_json"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "best_of": 3}, 400, "best_of"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
