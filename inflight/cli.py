@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     try:
+        from inflight.cluster.options import add_cluster_args
         from inflight.server.app import add_serve_parser
-        add_serve_parser(sub)
+        add_cluster_args(add_serve_parser(sub))
     except ImportError:
         pass
     try:
@@ -79,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "serve" and args.data_parallel_size > 1:
+            from inflight.cluster.serve import run_cluster_serve  # imports Ray
+            try:
+                status = run_cluster_serve(args)
+            except RuntimeError as e:  # Ray missing, a replica that did not start
+                print(f"inflight: error: {e}", file=sys.stderr)
+                status = 2
+            _exit_at_once(status)
         if args.command == "serve":
             from inflight.server.app import run_serve
             _exit_at_once(run_serve(args))

@@ -107,6 +107,11 @@ class PrefixAffinityRouter:
             n += 1
         return n
 
+    def forget(self, replica: int) -> None:
+        """Drop what was sent to ``replica``: it restarted, its prefix cache is empty."""
+        if replica < len(self._seen):
+            self._seen[replica].clear()
+
     def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
         while len(self._seen) < len(loads):
             self._seen.append(OrderedDict())
