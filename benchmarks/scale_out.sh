@@ -3,7 +3,9 @@
 # `inflight bench serve` load against each, the server's /stats (prefix-cache counters,
 # requests per replica) read after the load. Usage:
 #   benchmarks/scale_out.sh OUT_DIR REPEATS WORKLOAD CONFIG...
-# WORKLOAD: mooncake (shared prefixes) or random (no shared prefix). CONFIG: dp1t2 (1 replica
+# WORKLOAD: prefixes (16 distinct ~400-token documents, each request one of them plus a
+# question: the shared-prefix case), mooncake (the trace with prefix blocks; little reuse
+# within 100 requests) or random (no shared prefix). CONFIG: dp1t2 (1 replica
 # x 2 threads), or dp2-<router> (2 replicas x 1 thread: dp2-prefix_affinity, dp2-round_robin,
 # dp2-least_load). Needs an otherwise idle machine; logs the load average per run.
 set -euo pipefail
@@ -13,8 +15,29 @@ PORT=${PORT:-8311}
 RATE=${RATE:-2}
 NUM=${NUM:-100}
 mkdir -p "$OUT"
-COMMON="--port $PORT --num-kv-blocks 512 --max-model-len 2048 --max-num-seqs 32 --stats-log-interval 0"
+# The same KV memory in total: 512 blocks for one replica, 256 for each of two.
+COMMON="--port $PORT --max-model-len 2048 --max-num-seqs 32 --stats-log-interval 0"
 case $WORKLOAD in
+  prefixes)
+    .venv/bin/python - "$OUT/prefixes.jsonl" "${NUM:-100}" <<'PY'
+import json, random, sys
+lines = [ln.strip() for ln in open("../shared/data/vllm_sonnet.txt") if ln.strip()]
+rng = random.Random(0)
+docs = []
+for _ in range(16):
+    rng.shuffle(lines)
+    text, i = "", 0
+    while len(text) < 1700:
+        text, i = text + lines[i] + "\n", i + 1
+    docs.append(text)
+with open(sys.argv[1], "w") as f:
+    for j in range(int(sys.argv[2])):
+        d = rng.randrange(len(docs))
+        q = f"\nQuestion {j}: which line above speaks of {rng.choice(lines).split()[-1]}? Answer:"
+        f.write(json.dumps({"prompt": docs[d] + q}) + "\n")
+PY
+    LOAD="--dataset-name custom --dataset-path $OUT/prefixes.jsonl --skip-chat-template
+          --custom-output-len 32 --ignore-eos" ;;
   mooncake) LOAD="--dataset trace --trace-file ../shared/data/mooncake_conversation_0-30min.jsonl
               --trace-format mooncake --prefix-blocks --no-shuffle --length-scale 0.0625
               --max-input-len 768 --max-output-len 64 --ignore-eos" ;;
@@ -24,8 +47,8 @@ esac
 for rep in $(seq 1 "$REPEATS"); do
   for cfg in "$@"; do
     case $cfg in
-      dp1t2) FLAGS="--num-threads 2" ;;
-      dp2-*) FLAGS="--data-parallel-size 2 --num-threads 1 --router ${cfg#dp2-}" ;;
+      dp1t2) FLAGS="--num-threads 2 --num-kv-blocks 512" ;;
+      dp2-*) FLAGS="--data-parallel-size 2 --num-threads 1 --num-kv-blocks 256 --router ${cfg#dp2-}" ;;
       *) echo "unknown config $cfg" >&2; exit 2 ;;
     esac
     tag="$WORKLOAD-$cfg-r$rep"
