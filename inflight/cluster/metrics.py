@@ -89,7 +89,7 @@ class _Families:
 async def render(cluster: ClusterEngine) -> bytes:
     """The Prometheus text exposition of all replicas and the router."""
     families = merge_families(await cluster.gather("families")) + router_families(cluster)
-    return generate_latest(_Families(families))  # type: ignore[arg-type]
+    return generate_latest(_Families(families))
 
 
 # /stats keys summed over the live replicas' own answers. The token totals are not among

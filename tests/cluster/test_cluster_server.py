@@ -122,6 +122,18 @@ def test_abort_on_disconnect_reaches_the_replica(cluster):
     assert _metric(text, "inflight:request_success_total", finished_reason="abort") >= 1
 
 
+def test_non_stream_disconnect_aborts(cluster):
+    body = {"model": MODEL, "prompt": "Write a very long essay.", "max_tokens": 400,
+            "ignore_eos": True}
+    try:
+        httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=1.0)
+    except httpx.TimeoutException:
+        pass  # the client gives up and closes its connection
+    wait_until(lambda: cluster.engine.num_in_flight == 0, timeout=10, what="the abort")
+    stats = httpx.get(cluster.base_url + "/stats").json()
+    assert stats["num_requests_running"] == 0 and stats["kv_cache_usage_perc"] == 0
+
+
 def test_metrics_and_stats_across_replicas(cluster, client):
     # Two requests at once land on different replicas (the second sees the first's load).
     async def two():
