@@ -58,7 +58,13 @@ class RayRuntime:
                           configure_logging=False, log_to_driver=True)
             self.started_here = True
         else:
-            self.ray.init(address=address, configure_logging=False, log_to_driver=True)
+            if address.rsplit(":", 1)[0].strip("[]") in ("127.0.0.1", "localhost", "::1"):
+                _loopback_only(self.ray)  # this node is that cluster's loopback node
+            _token_auth_if_token(self.ray)
+            try:
+                self.ray.init(address=address, configure_logging=False, log_to_driver=True)
+            except ConnectionError as e:
+                raise RuntimeError(f"--ray-address {address}: {e}") from None
         logger.info("Ray %s %s in %.1f s", self.ray.__version__,
                     "started on 127.0.0.1" if self.started_here else f"joined at {address}",
                     time.monotonic() - t0)
@@ -87,3 +93,20 @@ def _loopback_only(ray: Any) -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
     except (ImportError, AttributeError):  # another Ray layout: its default binding
         logger.warning("could not restrict Ray to 127.0.0.1 (Ray %s)", ray.__version__)
+
+
+def _token_auth_if_token(ray: Any) -> None:
+    """Joining a cluster: use Ray's token authentication when this machine has a token.
+
+    ``ray start`` turns token authentication on when ``~/.ray/auth_token`` exists, and a
+    driver joining it must too. Ray 2.60's ``ray.init(address=...)`` decides so only after
+    its first request to the GCS, which is then refused ("Authentication token is missing
+    or incorrect") until the connection times out; deciding first, with Ray's own rule,
+    joins at once (measured: 0.9 s). ``RAY_AUTH_MODE`` set by the user wins.
+    """
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:  # another Ray layout: its own rule
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)

@@ -1,13 +1,16 @@
 """``inflight serve --data-parallel-size 2`` as a process: it serves, and SIGTERM stops it
-with status 0 and every Ray process it started (gcs, raylet, replicas) gone."""
+with status 0 and every Ray process it started (gcs, raylet, replicas) gone; with
+``--ray-address`` it joins a running cluster (``ray start --head``) and leaves it running."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -26,25 +29,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_dp2_and_sigterm_leaves_nothing():
+SERVE = [sys.executable, "-m", "inflight.cli", "serve", "--data-parallel-size", "2",
+         "--num-kv-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "4",
+         "--num-threads", "1", "--stats-log-interval", "0", "--shutdown-timeout", "1"]
+
+
+def _start(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """``inflight serve`` with ``args`` on a free port, once /health answers 200."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--data-parallel-size", "2",
-           "--port", str(port), "--num-kv-blocks", "64", "--max-model-len", "512",
-           "--max-num-seqs", "4", "--num-threads", "1", "--router", "least_load",
-           "--stats-log-interval", "0", "--shutdown-timeout", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(SERVE + ["--port", str(port), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 150
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read() if proc.stdout else "server exited")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def test_serve_dp2_and_sigterm_leaves_nothing():
+    proc, url = _start(["--router", "least_load"])
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -71,3 +84,60 @@ def test_serve_dp2_and_sigterm_leaves_nothing():
     assert exit_s < 30, exit_s
     if os.environ.get("INFLIGHT_REPORT_TIMES"):
         print(f"exit after SIGTERM: {exit_s:.1f} s")
+
+
+def test_ray_address_joins_a_running_cluster():
+    """``ray start --head`` (its own temp dir and port), then ``--ray-address``: the server
+    serves from it, and on SIGTERM kills its replicas but leaves the cluster running. The
+    head's processes are then ended by their ids (found by the temp dir in their command
+    lines)."""
+    # Short: Ray's socket paths under it must fit a Unix socket name (107 bytes).
+    temp_dir, port = tempfile.mkdtemp(prefix="inflight-ray-", dir="/tmp"), _free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # bind to 127.0.0.1 (runtime.py)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2",
+                    "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+                    f"--temp-dir={temp_dir}"], env=env, check=True, capture_output=True,
+                   timeout=120)
+    try:
+        proc, url = _start(["--ray-address", f"127.0.0.1:{port}"])
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"prompt": "Hello", "max_tokens": 2})
+            assert r.status_code == 200
+            replica_pids = [x["pid"] for x in httpx.get(url + "/stats").json()["replicas"]]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in replica_pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in replica_pids)
+        assert _head_pids(temp_dir), "the joined cluster was stopped"
+    finally:
+        heads = _head_pids(temp_dir)
+        below = [p for h in heads for p, _ in _descendants(h)]
+        for p in below + heads:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _head_pids(temp_dir: str) -> list[int]:
+    """Live processes whose command line names ``temp_dir`` (the head's gcs, raylet, ...)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _alive(int(entry)):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if temp_dir.encode() in f.read():
+                        out.append(int(entry))
+            except OSError:
+                pass
+    return out
