@@ -265,7 +265,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         mt = check_prompt_len(ctx.engine, len(ids), max_tokens, names)
         forced = plan.structured if plan is not None else None
         structured = await check_structured_outputs(
-            ctx, req, (forced, "tool_choice") if forced is not None else None)
+            ctx, req, (forced, plan.source) if plan is not None and forced is not None else None)
         params = build_sampling_params(req, mt, logprobs,
                                        {"logprobs": "top_logprobs", "max_tokens": max_param},
                                        structured_outputs=structured)

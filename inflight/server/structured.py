@@ -69,12 +69,12 @@ async def check_structured_outputs(
 ) -> StructuredOutputsParams | None:
     """``structured_outputs_of`` compiled once off the event loop (errors are 400s naming
     the field); the engine's own compile then hits the compiler's cache. ``forced`` is a
-    spec the server adds (a forced tool call: ``(spec, "tool_choice")``); the body may not
-    ask for another."""
+    spec the server adds with the field it comes from (a forced tool call's parameters);
+    the body may not ask for another."""
     found = structured_outputs_of(req)
     if forced is not None:
         if found is not None:
-            raise bad_request(f"{found[1]}: cannot be combined with {forced[1]}",
+            raise bad_request(f"{found[1]}: cannot be combined with a forced tool_choice",
                               param=found[1])
         found = forced
     if found is None:

@@ -59,6 +59,7 @@ class ToolPlan:
         name: the forced function (``named``).
         parser: the ``--tool-call-parser`` (``auto``).
         structured: the grammar that forces the call (``required``, ``named``).
+        source: the field that grammar comes from, named in a compile error's 400.
     """
 
     mode: str
@@ -66,6 +67,7 @@ class ToolPlan:
     name: str | None = None
     parser: str | None = None
     structured: StructuredOutputsParams | None = field(default=None)
+    source: str = "tools"
 
     # --- non-streamed ----------------------------------------------------------------
     def calls(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -204,9 +206,10 @@ def plan_tools(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan | Non
         if name not in names:
             raise bad_request(f"tool_choice: function {name!r} is not among tools",
                               param="tool_choice")
-        params = tools[names.index(name)]["function"].get("parameters") or _EMPTY_PARAMETERS
-        plan = ToolPlan("named", tools, name=name,
-                        structured=StructuredOutputsParams(json=params))
+        i = names.index(name)
+        params = tools[i]["function"].get("parameters") or _EMPTY_PARAMETERS
+        plan = ToolPlan("named", tools, name=name, structured=StructuredOutputsParams(json=params),
+                        source=f"tools[{i}].function.parameters")
     return plan
 
 

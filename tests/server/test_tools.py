@@ -140,6 +140,10 @@ def test_auto_reply_is_text_or_valid_calls(client):
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
     ({"messages": [{"role": "assistant", "content": None}]}, None),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {
+        "name": "broken", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "broken"}}},
+     "tools[1].function.parameters"),
 ])
 def test_bad_tool_requests_are_400(server, body, param):
     r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
