@@ -19,23 +19,7 @@ mkdir -p "$OUT"
 COMMON="--port $PORT --max-model-len 2048 --max-num-seqs 32 --stats-log-interval 0"
 case $WORKLOAD in
   prefixes)
-    .venv/bin/python - "$OUT/prefixes.jsonl" "${NUM:-100}" <<'PY'
-import json, random, sys
-lines = [ln.strip() for ln in open("../shared/data/vllm_sonnet.txt") if ln.strip()]
-rng = random.Random(0)
-docs = []
-for _ in range(16):
-    rng.shuffle(lines)
-    text, i = "", 0
-    while len(text) < 1700:
-        text, i = text + lines[i] + "\n", i + 1
-    docs.append(text)
-with open(sys.argv[1], "w") as f:
-    for j in range(int(sys.argv[2])):
-        d = rng.randrange(len(docs))
-        q = f"\nQuestion {j}: which line above speaks of {rng.choice(lines).split()[-1]}? Answer:"
-        f.write(json.dumps({"prompt": docs[d] + q}) + "\n")
-PY
+    .venv/bin/python benchmarks/scale_out_prefixes.py "$OUT/prefixes.jsonl" "$NUM"
     LOAD="--dataset-name custom --dataset-path $OUT/prefixes.jsonl --skip-chat-template
           --custom-output-len 32 --ignore-eos" ;;
   mooncake) LOAD="--dataset trace --trace-file ../shared/data/mooncake_conversation_0-30min.jsonl
@@ -58,6 +42,7 @@ for rep in $(seq 1 "$REPEATS"); do
     echo "$tag start $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
     .venv/bin/inflight bench serve --base-url "http://127.0.0.1:$PORT" $LOAD --seed "$rep" \
         --num-prompts "$NUM" --request-rate "$RATE" --disable-tqdm \
+        --percentile-metrics ttft,itl,e2el --metric-percentiles 50,95,99 \
         --save-result "$OUT/$tag.json" > "$OUT/$tag.bench.log" 2>&1 || echo "$tag bench failed"
     curl -s "127.0.0.1:$PORT/stats" > "$OUT/$tag.stats.json"
     echo "$tag end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
