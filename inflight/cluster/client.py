@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -555,7 +556,16 @@ class _NoRunner:
 
 
 def _cause(e: BaseException) -> str:
-    """A short description of a Ray error (its cause's message where it has one)."""
+    """A short description of a Ray error: the exception its traceback ends with, where it
+    carries one (a replica's ``__init__`` error: ``ValueError: max_model_len: ...``), else
+    its (cause's) first line."""
     cause = getattr(e, "cause", None) or e
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[0] if text else ''}"[:300]
+    lines = [ln.strip() for ln in str(cause).strip().splitlines() if ln.strip()]
+    raised = [ln for ln in lines[1:] if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b.*:", ln)]
+    if raised:
+        return _strip_ansi(raised[-1])[:300]
+    return f"{type(cause).__name__}: {_strip_ansi(lines[0]) if lines else ''}"[:300]
+
+
+def _strip_ansi(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

@@ -37,13 +37,15 @@ SERVE = [sys.executable, "-m", "inflight.cli", "serve", "--data-parallel-size", 
 def _start(args: list[str]) -> tuple[subprocess.Popen, str]:
     """``inflight serve`` with ``args`` on a free port, once /health answers 200."""
     port = _free_port()
-    proc = subprocess.Popen(SERVE + ["--port", str(port), *args], stdout=subprocess.PIPE,
+    log = tempfile.TemporaryFile(mode="w+")  # not a pipe: nobody reads it while it runs
+    proc = subprocess.Popen(SERVE + ["--port", str(port), *args], stdout=log,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 150
     while True:
         if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read() if proc.stdout else "server exited")
+            log.seek(0)
+            raise AssertionError(log.read()[-3000:])
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError("server did not come up")
@@ -141,3 +143,27 @@ def _head_pids(temp_dir: str) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def test_a_replica_that_cannot_start_stops_the_server_with_its_error():
+    port = _free_port()
+    cmd = [*SERVE, "--port", str(port), "--num-kv-blocks", "4"]  # 64 tokens < max_model_len
+    errors = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+    started: list[tuple[int, str]] = []
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        started += [d for d in _descendants(proc.pid) if d not in started]
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+    errors.seek(0)
+    err = errors.read()
+    assert proc.returncode == 2, err[-2000:]
+    assert "a replica failed to start: ValueError: max_model_len: 512 is larger than the KV " \
+           "cache can hold" in err, err[-2000:]
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p, _ in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [(p, n) for p, n in started if _alive(p)]
