@@ -5,7 +5,8 @@
 #   benchmarks/scale_out.sh OUT_DIR REPEATS WORKLOAD CONFIG...
 # WORKLOAD: prefixes (16 distinct ~400-token documents, each request one of them plus a
 # question: the shared-prefix case), mooncake (the trace with prefix blocks; little reuse
-# within 100 requests) or random (no shared prefix). CONFIG: dp1t2 (1 replica
+# within 100 requests), random (no shared prefix) or serial (one request at a time: what the
+# Ray hop costs). CONFIG: dp1t1 (1 replica x 1 thread), dp1t2 (1 replica
 # x 2 threads), or dp2-<router> (2 replicas x 1 thread: dp2-prefix_affinity, dp2-round_robin,
 # dp2-least_load). Needs an otherwise idle machine; logs the load average per run.
 set -euo pipefail
@@ -26,12 +27,14 @@ case $WORKLOAD in
               --trace-format mooncake --prefix-blocks --no-shuffle --length-scale 0.0625
               --max-input-len 768 --max-output-len 64 --ignore-eos" ;;
   random) LOAD="--dataset random --input-len 256 --output-len 32 --range-ratio 0.5" ;;
+  serial) LOAD="--dataset random --input-len 128 --output-len 64 --max-concurrency 1" ;;
   *) echo "unknown workload $WORKLOAD" >&2; exit 2 ;;
 esac
 for rep in $(seq 1 "$REPEATS"); do
   for cfg in "$@"; do
     case $cfg in
       dp1t2) FLAGS="--num-threads 2 --num-kv-blocks 512" ;;
+      dp1t1) FLAGS="--num-threads 1 --num-kv-blocks 256" ;;
       dp2-*) FLAGS="--data-parallel-size 2 --num-threads 1 --num-kv-blocks 256 --router ${cfg#dp2-}" ;;
       *) echo "unknown config $cfg" >&2; exit 2 ;;
     esac
