@@ -126,6 +126,14 @@ class PrefixAffinityRouter:
                 self.hits += 1
             else:
                 self.overrides += 1
+        else:
+            # A prefix no replica holds: among the least loaded, the one whose cache holds
+            # least, so new prefixes spread over the pools (idle replicas tie, and the
+            # lowest index would otherwise take every new prefix and thrash its pool).
+            tie = (loads[lightest].num_requests, loads[lightest].kv_cache_usage)
+            choice = min((i for i in range(len(loads))
+                          if (loads[i].num_requests, loads[i].kv_cache_usage) == tie),
+                         key=lambda i: (len(self._seen[i]), i))
         seen = self._seen[choice]
         for h in hashes:
             seen[h] = None
