@@ -67,3 +67,13 @@ def test_prefix_router_forgets_a_restarted_replica():
     assert router.route(prompt, [ReplicaLoad(0, 1), ReplicaLoad()]) == 0  # affinity
     router.forget(0)
     assert router.route(prompt, [ReplicaLoad(0, 1), ReplicaLoad()]) == 1  # least load now
+
+
+def test_prefix_router_spreads_new_prefixes_over_idle_replicas():
+    router = PrefixAffinityRouter(block_size=4, threshold=8)
+    idle = [ReplicaLoad(), ReplicaLoad()]
+    a, b = list(range(12)), list(range(100, 112))
+    assert router.route(a, idle) == 0
+    assert router.route(b, idle) == 1  # not the lowest index again: the emptier cache
+    assert router.route(a, idle) == 0 and router.route(b, idle) == 1  # affinity
+    assert router.hits == 2
