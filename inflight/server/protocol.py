@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.config import JsonDict
 
 from inflight.request import RequestOptions
 
@@ -210,7 +211,7 @@ class ToolCall(_Strict):
 
 # The rule the validators below enforce, said in the document too (fuzzers and clients
 # read it there): content is required, except on an assistant message with tool calls.
-_MESSAGE_RULE = {"anyOf": [
+_MESSAGE_RULE: JsonDict = {"anyOf": [
     {"properties": {"role": {"const": "assistant"}},
      "anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
                {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]},
