@@ -178,4 +178,12 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def streamed(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
     """A 200 that is ``model`` as JSON, or server-sent events when ``stream`` is true."""
     return {200: {"model": model, "description": description,
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+
+
+# One server-sent event as the SSE format defines its fields (WHATWG HTML, "Server-sent
+# events"): ``data`` a chunk's JSON, or ``[DONE]`` last; OpenAPI 3.2 documents a stream
+# by its events, and schemathesis checks each event of a streamed response against it.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                             "id": {"type": "string"}, "retry": {"type": "integer"}}}
