@@ -5,7 +5,8 @@
 #   benchmarks/scale_out.sh OUT_DIR REPEATS WORKLOAD CONFIG...
 # WORKLOAD: prefixes (16 distinct ~400-token documents, each request one of them plus a
 # question: the shared-prefix case), mooncake (the trace with prefix blocks; little reuse
-# within 100 requests), random (no shared prefix) or serial (one request at a time: what the
+# within 100 requests), multiturn (MT-Bench conversations of $TURNS turns, $ACTIVE at a time,
+# each follow-up sent with the history and the server's answers), random (no shared prefix) or serial (one request at a time: what the
 # Ray hop costs). CONFIG: dp1t1 (1 replica x 1 thread), dp1t2 (1 replica
 # x 2 threads), or dp2-<router> (2 replicas x 1 thread: dp2-prefix_affinity, dp2-round_robin,
 # dp2-least_load). Needs an otherwise idle machine; logs the load average per run.
@@ -26,6 +27,8 @@ case $WORKLOAD in
   mooncake) LOAD="--dataset trace --trace-file ../shared/data/mooncake_conversation_0-30min.jsonl
               --trace-format mooncake --prefix-blocks --no-shuffle --length-scale 0.0625
               --max-input-len 768 --max-output-len 64 --ignore-eos" ;;
+  multiturn) LOAD="--dataset chat --conversation-turns ${TURNS:-4} --active-conversations ${ACTIVE:-16}
+               --output-len ${OUTPUT_LEN:-128}" ;;
   random) LOAD="--dataset random --input-len 256 --output-len 32 --range-ratio 0.5" ;;
   serial) LOAD="--dataset random --input-len 128 --output-len 64 --max-concurrency 1" ;;
   *) echo "unknown workload $WORKLOAD" >&2; exit 2 ;;

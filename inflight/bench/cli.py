@@ -121,6 +121,13 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-blocks", action=argparse.BooleanOptionalAction, default=True,
                    help="Mooncake: requests sharing hash_ids share prompt prefixes (default on)")
     g.add_argument("--chat-file", default="mt_bench", help="mt_bench, vicuna or a JSONL path")
+    g.add_argument("--conversation-turns", type=_count(1), default=1,
+                   help="chat: user turns per conversation; above 1 a multi-turn replay, each "
+                        "follow-up sent with the history and the server's earlier answers, after "
+                        "the previous answer ended (default 1)")
+    g.add_argument("--active-conversations", type=_count(1), default=16,
+                   help="chat, multi-turn: conversations interleaved in the mix; a conversation's "
+                        "next turn comes this many requests after its previous one (default 16)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="send ignore_eos (default: on except for chat)")
     g.add_argument("--tokenize", choices=("auto", "server", "local", "approx"), default="auto",

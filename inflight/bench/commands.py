@@ -66,7 +66,11 @@ def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
                             min_output_len=args.min_output_len, max_output_len=args.max_output_len,
                             prefix_blocks=args.prefix_blocks, chat_file=args.chat_file,
                             sonnet_file=getattr(args, "sonnet_file", None),
-                            ignore_eos=args.ignore_eos, shuffle=shuffle)
+                            ignore_eos=args.ignore_eos, shuffle=shuffle,
+                            conversation_turns=args.conversation_turns,
+                            active_conversations=args.active_conversations)
+    if args.conversation_turns > 1 and args.dataset != "chat":
+        raise ValueError("--conversation-turns replays multi-turn chats: it needs --dataset chat")
     if args.arrival == "poisson" and args.burstiness != 1.0:
         raise ValueError("--burstiness needs --arrival gamma")
     if args.arrival == "trace" and args.dataset != "trace":

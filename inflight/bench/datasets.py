@@ -16,7 +16,10 @@ Datasets (all reproducible from ``seed``):
   random order. Mooncake's ``hash_ids`` become shared text blocks, so requests
   that share prefix blocks in the trace share prompt prefixes here.
 - ``chat``: the first turn of the MT-Bench or Vicuna-Bench questions, or the ``prompt`` of
-  each line of a JSONL file (vLLM's ``custom`` dataset).
+  each line of a JSONL file (vLLM's ``custom`` dataset). With ``conversation_turns`` > 1, a
+  multi-turn chat replay: each conversation is a question's turns (MT-Bench has two; later
+  turns are other questions' first turns), and each follow-up is sent with the whole
+  history, the server's own earlier answers included (``inflight.bench.conversations``).
 
 Prompt lengths are in tokens as counted by a :class:`~inflight.bench.prompts.TokenCounter`;
 exact only when that counter is (server ``/tokenize`` or a local tokenizer).
@@ -104,6 +107,8 @@ class DatasetConfig:
     max_output_len: int | None = None
     prefix_blocks: bool = True  # Mooncake hash_ids -> shared prefix text
     chat_file: str = "mt_bench"  # mt_bench | vicuna | a JSONL path ({"turns": [...]} or {"prompt": ...})
+    conversation_turns: int = 1  # chat: user turns per conversation (1: independent questions)
+    active_conversations: int = 16  # chat, multi-turn: conversations interleaved in the mix
     sonnet_file: str | None = None  # sonnet: the text file (default vllm_sonnet.txt in the data dir)
     ignore_eos: bool | None = None  # None: True except for chat
     shuffle: bool = False  # trace: rows in a seeded random order (a rate replays lengths, not times)
@@ -346,12 +351,40 @@ async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int, start: i
     order = np.random.default_rng(cfg.seed).permutation(len(questions))
     specs = []
     for i in range(start, start + n):
-        q = questions[int(order[i % len(order)])]
-        text = q["turns"][0] if "turns" in q else q["prompt"]  # MT-Bench, or vLLM's custom JSONL
+        if cfg.conversation_turns > 1:
+            conv, turn = conversation_slot(i, cfg.conversation_turns, cfg.active_conversations, cfg.seed)
+            q = questions[int(order[conv % len(order)])]
+            turns = q.get("turns") or [q["prompt"]]
+            if turn < len(turns):
+                text = turns[turn]
+            else:  # a follow-up the file does not have: another question's first turn
+                other = questions[int(np.random.default_rng([cfg.seed, conv, turn]).integers(len(questions)))]
+                text = (other.get("turns") or [other["prompt"]])[0]
+            meta = {"question_id": q.get("question_id"), "category": q.get("category"),
+                    "conversation": conv, "turn": turn}
+        else:
+            q = questions[int(order[i % len(order)])]
+            text = q["turns"][0] if "turns" in q else q["prompt"]  # MT-Bench, or vLLM's custom JSONL
+            meta = {"question_id": q.get("question_id"), "category": q.get("category")}
         specs.append(RequestSpec(text, [{"role": "user", "content": text}], None, cfg.output_len,
-                                 cfg.effective_ignore_eos(),
-                                 meta={"question_id": q.get("question_id"), "category": q.get("category")}))
+                                 cfg.effective_ignore_eos(), meta=meta))
     return specs
+
+
+def conversation_slot(index: int, turns: int, active: int, seed: int = 0) -> tuple[int, int]:
+    """(conversation, turn) of item ``index`` of a multi-turn mix.
+
+    Conversations come in groups of ``active``: a group's first turns come first, then its
+    second turns, and so on, each wave in its own seeded order. So a conversation's next
+    turn comes between 1 and ``2 * active - 1`` requests (``active`` on average) after its
+    previous one: at ``r`` requests/s a user reads and types for about ``active / r``
+    seconds, and never before the previous answer ended (``conversations.ConversationLog``).
+    Every item's previous turn comes earlier in the mix.
+    """
+    group, within = divmod(index, turns * active)
+    turn, pos = divmod(within, active)
+    member = int(np.random.default_rng([seed, group, turn]).permutation(active)[pos])
+    return group * active + member, turn
 
 
 BUILDERS = {"random": build_random, "sonnet": build_sonnet, "trace": build_trace, "chat": build_chat}

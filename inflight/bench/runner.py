@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import httpx
 
 from inflight.bench.client import RequestRecord, auth_headers, build_payload, endpoint_path, stream_request
+from inflight.bench.conversations import ConversationLog
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs, trace_length
 from inflight.bench.metrics_scrape import Scraper, Snapshot, counter_deltas
 from inflight.bench.prompts import TokenCounter, make_counter
@@ -306,14 +307,21 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
     scrape_task = (asyncio.create_task(scraper.run(stop, session.load.metrics_interval, t0))
                    if before is not None else None)
 
+    conversations = ConversationLog()
+
     async def one(record: RequestRecord, spec: RequestSpec) -> RequestRecord:
         # Cancelled by the point's end (ours, not the caller's), a task just stops: _settle
-        # gives its record the outcome.
-        if sem is None:
-            await _send(session, spec, record, clock)
-        else:
-            async with sem:
-                await _send(session, spec, record, clock)
+        # gives its record the outcome. A follow-up turn first waits for its previous
+        # turn's answer, holding no concurrency slot.
+        sent, turn = await conversations.prepare(spec)
+        try:
+            if sem is None:
+                await _send(session, sent, record, clock)
+            else:
+                async with sem:
+                    await _send(session, sent, record, clock)
+        finally:
+            conversations.finish(turn, record.generated_text)
         if bar is not None and record.phase == "sample":
             bar.update(1)
         return record

@@ -165,6 +165,9 @@ class ClusterEngine:
         self.model_name = model_name
         self.router_name = router
         self.router = make_router(router, config.block_size, router_threshold)
+        # For a router that learns from finished requests (prefix affinity): the prompt ids
+        # plus the generated ids so far, per request in flight.
+        self._kv_ids: dict[str, list[int]] = {}
         self.max_num_waiting = max_num_waiting
         self.listeners: list[StepListener] = list(listeners)
         self.engine = None  # no in-process Engine (server/app reads ``engine.engine``)
@@ -395,6 +398,8 @@ class ClusterEngine:
             i = self._route(ids)
             r = self.replicas[i]
             r.seqs[request_id] = n
+            if hasattr(self.router, "observe"):
+                self._kv_ids[request_id] = list(ids)
             r.routed += 1
             self._streams[request_id] = stream
             self._owner[request_id] = i
@@ -434,15 +439,21 @@ class ClusterEngine:
                 self._fire(r.actor.abort_all.remote())
 
     async def reset_prefix_cache(self) -> int:
-        """Drop idle cached KV blocks on every live replica; the total dropped.
+        """Drop idle cached KV blocks on every live replica, and the prefix router's memory
+        of what each holds; the total dropped.
 
         Raises:
             EngineDeadError: not running.
         """
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        refs = [r.actor.reset_prefix_cache.remote() for r in self.replicas if r.up]
-        return sum(await asyncio.gather(*refs))
+        live = [r for r in self.replicas if r.up]
+        dropped: int = sum(await asyncio.gather(*(r.actor.reset_prefix_cache.remote() for r in live)))
+        forget = getattr(self.router, "forget", None)
+        if forget is not None:
+            for r in live:
+                forget(r.index)  # what it was sent is no longer cached there
+        return dropped
 
     @staticmethod
     def _fire(ref: Any) -> None:
@@ -475,6 +486,8 @@ class ClusterEngine:
             with self._lock:
                 stream = self._streams.get(rid) if self._owner.get(rid) == r.index else None
                 final = isinstance(item, BaseException) or item.finished
+                if stream is not None and isinstance(item, RequestOutput):
+                    self._note_tokens(r, rid, item)
                 if stream is not None and final:
                     self._forget(rid)
             if stream is None:
@@ -492,8 +505,21 @@ class ClusterEngine:
                 except Exception:
                     logger.exception("listener %r failed", listener)
 
+    def _note_tokens(self, r: ReplicaState, rid: str, out: RequestOutput) -> None:
+        # Called with the lock held. The first completion's ids follow the prompt's in the
+        # replica's KV; when it ends, the prefix router learns the blocks it cached (all but
+        # the last sampled token, whose K/V was never computed).
+        ids = self._kv_ids.get(rid)
+        if ids is None or not out.outputs:
+            return
+        ids += out.outputs[0].token_ids
+        observe = getattr(self.router, "observe", None)
+        if out.finished and observe is not None:
+            observe(r.index, ids[:-1])
+
     def _forget(self, rid: str) -> None:
         # Called with the lock held.
+        self._kv_ids.pop(rid, None)
         self._streams.pop(rid, None)
         i = self._owner.pop(rid, None)
         if i is not None:

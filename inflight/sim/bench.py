@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.bench.client import RequestRecord
+from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset
 from inflight.bench.metrics_scrape import Snapshot
 from inflight.bench.runner import ArrivalConfig, LoadConfig, PointResult, Session, mark_cancelled
@@ -101,17 +102,18 @@ class SimSetup:
                          max_num_waiting=self.max_num_waiting, max_concurrency=load.max_concurrency,
                          metrics_interval=load.metrics_interval, noise=self.noise, seed=seed)
 
-    def prompt_ids(self, spec: RequestSpec, endpoint: str) -> list[int]:
+    def prompt_ids(self, spec: RequestSpec, endpoint: str, sent: RequestSpec | None = None) -> list[int]:
         """The token ids the server would queue for ``spec`` (its template and tokenizer),
-        computed once per spec: a search re-sends the same mix at every load."""
+        sent as ``sent`` (a follow-up turn with its history) if given; computed once per
+        spec: a search re-sends the same mix at every load."""
         hit = self._ids.get(id(spec))
         if hit is None:
-            tok = self.tokenizer
+            tok, sent = self.tokenizer, sent or spec
             if endpoint == "chat":
-                text = tok.apply_chat_template(spec.as_messages(), add_generation_prompt=True)
+                text = tok.apply_chat_template(sent.as_messages(), add_generation_prompt=True)
                 ids = list(tok.encode(text, add_special_tokens=False))
             else:
-                ids = list(tok.encode(spec.as_text()))
+                ids = list(tok.encode(sent.as_text()))
             hit = self._ids[id(spec)] = (spec, ids)
         return hit[1]
 
@@ -195,10 +197,13 @@ async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | No
     """``run_point`` on the simulator: the point's schedule, simulated; the same result."""
     setup: SimSetup = session.simulation
     slots, window = await plan_point(session, arrival)
-    reqs = [SimRequest(i, s.offset, setup.prompt_ids(s.spec, session.endpoint), s.spec.output_len, s.spec.output_len, s.spec.ignore_eos,
+    # A multi-turn mix: follow-ups carry their history, stand-in answers for the real ones.
+    sent = with_stand_in_answers([s.spec for s in slots])
+    reqs = [SimRequest(i, s.offset, setup.prompt_ids(s.spec, session.endpoint, x), s.spec.output_len,
+                       s.spec.output_len, s.spec.ignore_eos,
                        watched=window is not None and s.phase == "sample",
                        not_after_done=s.phase == "cooldown")
-            for i, s in enumerate(slots)]
+            for i, (s, x) in enumerate(zip(slots, sent))]
     t0 = time.perf_counter()
     run = setup.simulator(session.load, arrival.seed).run(reqs, until=None if window is None else window.deadline)
     wall = time.perf_counter() - t0

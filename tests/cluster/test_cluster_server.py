@@ -95,6 +95,10 @@ def test_completion_and_streamed_chat(cluster, client):
     chat = [{"role": "user", "content": "Name three colors."}]
     whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=12,
                                            temperature=0)
+    # The same prompt again would read its blocks from the prefix cache, and in bfloat16 a
+    # cached prefix's logits differ in the last bits: this prompt's first token is a near
+    # tie ("1" vs "The", 0.04 apart in float32), so the greedy answers could differ.
+    assert httpx.post(cluster.base_url + "/reset_prefix_cache").status_code == 200
     parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=MODEL, messages=chat, max_tokens=12, temperature=0, stream=True) if c.choices]
     assert "".join(parts) == whole.choices[0].message.content
@@ -176,6 +180,21 @@ def test_prefix_affinity_keeps_a_prefix_on_one_replica(cluster, client):
     assert router.hits - hits >= 3
     stats = httpx.get(cluster.base_url + "/stats").json()
     assert stats["replicas"][served[0]]["stats"]["prefix_cache_hits_total"] >= 3 * 16
+    # The router learns the answer's blocks too (the replica caches them): a fresh prompt of
+    # P tokens with 48 generated leaves exactly (P + 47) // 16 hashes behind (the last sampled
+    # token has no K/V).
+    before = _routed(cluster)
+    remembered = [len(seen) for seen in router._seen]
+    resp = client.completions.create(model=MODEL, prompt="Count the sheep in the far meadow, slowly.",
+                                     max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+    i = next(i for i, (a, b) in enumerate(zip(_routed(cluster), before)) if a > b)
+    assert resp.usage.completion_tokens == 48
+    assert len(router._seen[i]) - remembered[i] == (resp.usage.prompt_tokens + 47) // 16
+    # Resetting the caches resets the router's memory of them: the prefix is new again.
+    assert httpx.post(cluster.base_url + "/reset_prefix_cache").status_code == 200
+    hits = router.hits
+    client.completions.create(model=MODEL, prompt=PREFIX + "Is it sunny?", max_tokens=2, temperature=0)
+    assert router.hits == hits
     # Round robin, for contrast, alternates whatever the prefix.
     cluster.engine.router = make_router("round_robin")
     try:
