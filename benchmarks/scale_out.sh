@@ -17,7 +17,8 @@ PORT=${PORT:-8311}
 RATE=${RATE:-2}
 NUM=${NUM:-100}
 mkdir -p "$OUT"
-# The same KV memory in total: 512 blocks for one replica, 256 for each of two.
+# The same KV memory in total: $KV blocks (512) for one replica, half each for two.
+source benchmarks/scale_out_configs.sh
 COMMON="--port $PORT --max-model-len 2048 --max-num-seqs 32 --stats-log-interval 0"
 case $WORKLOAD in
   prefixes)
@@ -35,12 +36,7 @@ case $WORKLOAD in
 esac
 for rep in $(seq 1 "$REPEATS"); do
   for cfg in "$@"; do
-    case $cfg in
-      dp1t2) FLAGS="--num-threads 2 --num-kv-blocks 512" ;;
-      dp1t1) FLAGS="--num-threads 1 --num-kv-blocks 256" ;;
-      dp2-*) FLAGS="--data-parallel-size 2 --num-threads 1 --num-kv-blocks 256 --router ${cfg#dp2-}" ;;
-      *) echo "unknown config $cfg" >&2; exit 2 ;;
-    esac
+    FLAGS=$(config_flags "$cfg")
     tag="$WORKLOAD-$cfg-r$rep"
     .venv/bin/inflight serve $COMMON $FLAGS > "$OUT/$tag.server.log" 2>&1 &
     pid=$!

@@ -341,7 +341,8 @@ def vllm_result(records: Sequence[RequestRecord], summary: dict, metrics: Sequen
     Totals and rates are the summary's (``duration``: first send to last end); the latency
     keys are in ms over the completed requests, as vLLM's ``calculate_metrics``: TPOT over
     requests with more than one output token, ITL pooling every gap, an empty list as 0.
-    Per request: ``input_lens`` (the prompt's tokens as built), ``output_lens`` (0 when
+    Per request: ``input_lens`` (the prompt's tokens as built; where the client did not
+    count them, chat messages, the server's ``usage.prompt_tokens``), ``output_lens`` (0 when
     failed), ``ttfts`` (s; 0 without a token), ``itls`` (s, list per request),
     ``generated_texts`` and ``errors`` ("" when none).
     """
@@ -358,7 +359,7 @@ def vllm_result(records: Sequence[RequestRecord], summary: dict, metrics: Sequen
         "total_input_tokens": summary["total_input_tokens"], "total_output_tokens": summary["total_output_tokens"],
         "request_throughput": summary["request_throughput"], "request_goodput": summary.get("goodput"),
         "output_throughput": summary["output_throughput"], "total_token_throughput": summary["total_token_throughput"],
-        "input_lens": [r.prompt_len or 0 for r in counted],
+        "input_lens": [r.prompt_len if r.prompt_len is not None else r.prompt_tokens or 0 for r in counted],
         "output_lens": [(r.output_tokens or 0) if r.success else 0 for r in counted],
         "ttfts": [r.chunk_times[0] - r.send_time if r.chunk_times else 0.0 for r in counted],
         "itls": [[b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])] for r in counted],

@@ -13,6 +13,7 @@ from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, build_dataset, conversation_slot
 from inflight.bench.prompts import WordCounter
 from inflight.bench.runner import ArrivalConfig, LoadConfig, open_session, run_point
+from inflight.bench.vllm_compat import vllm_result
 
 
 def test_conversation_slots_come_in_waves_of_active_conversations():
@@ -75,6 +76,9 @@ def test_follow_ups_carry_the_history_and_wait_for_the_answer(fake_server, data_
         for k in range(turn):
             want += [own[k], {"role": "assistant", "content": "tok" * 3}]
         assert body["messages"] == [*want, own[turn]]
+    # The chat prompts were not counted by the client: the result reports the server's count.
+    lens = vllm_result(point.records, point.summary)["input_lens"]
+    assert lens == [r.prompt_tokens for r in point.records] and min(lens) > 0
     # All six were due at once; each follow-up went only after its previous answer (>= 0.25 s).
     recs = {(s.meta["conversation"], s.meta["turn"]): r for s, r in zip(session.specs, point.records)}
     for (conv, turn), r in recs.items():
