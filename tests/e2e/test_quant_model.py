@@ -75,34 +75,42 @@ def test_a_requests_tokens_do_not_depend_on_chunking_or_prefix_hits(bundled_mode
                                                                     chat_prompts):
     """Prompt tokens take the dense path and decode tokens the quantized one in every step
     shape (llama._quantized_rows), so greedy output is the same computed alone, in chunks
-    of 5 tokens, or after a prefix-cache hit."""
+    of 5 tokens, or after a prefix-cache hit, except where the answer nearly ties: oneDNN's
+    bfloat16 GEMM rounds differently for 5 rows than for 100 (its kernels differ by shape),
+    so a chunked or cached prompt may move a logit by a bfloat16 step or two. The outputs
+    may part only at a position whose top two logprobs, computed alone, are within
+    NEAR_TIE (as the bf16-vs-HF test allows)."""
     _, _, tokenizer = bundled
     config, state = load_model(bundled_model_path)
     quant = LlamaForCausalLM(config, dtype=torch.bfloat16)
     quant.load_weights(state, "gguf", read_gguf_blocks(bundled_model_path, config))
     text = tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": chat_prompts[1]}]), add_special_tokens=False)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
 
     def generate(engine_config, ids, times=1):
         engine = Engine(engine_config, runner=ModelRunner(quant, 256, 16, torch.bfloat16, Sampler()),
                         tokenizer=tokenizer, num_blocks=256, max_model_len=2048,
                         eos_token_ids=tokenizer.eos_token_ids)
-        tokens = []
+        outs = []
         for t in range(times):  # one after another: the second hits the prefix cache
             engine.add_request(str(t), ids, params)
             while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        tokens.append(out.outputs[0].token_ids)
-        return tokens, engine.get_stats()
+                outs += [o.outputs[0] for o in engine.step() if o.finished]
+        return outs, engine.get_stats()
 
     (alone,), _ = generate(EngineConfig(enable_prefix_caching=False), text)
+    margins = [sorted(lp.values(), reverse=True)[:2] for lp in alone.logprobs]
     (chunked,), _ = generate(EngineConfig(enable_prefix_caching=False, max_num_batched_tokens=5),
                              text)
     (first, again), stats = generate(EngineConfig(enable_prefix_caching=True), text, times=2)
     assert stats.prefix_cache_hits > 0
-    assert chunked == alone and first == alone and again == alone
+    assert first.token_ids == alone.token_ids  # the same shapes: the same bits
+    for other in (chunked, again):
+        diff = next((k for k in range(NUM_TOKENS) if other.token_ids[k] != alone.token_ids[k]), None)
+        if diff is not None:
+            top1, top2 = margins[diff]
+            assert top1 - top2 < NEAR_TIE, (diff, top1, top2)
 
 
 def test_only_generated_tokens_take_the_quantized_rows(bundled_model_path, bundled):
