@@ -125,7 +125,7 @@ def _common_parser() -> argparse.ArgumentParser:
                    help="chat: user turns per conversation; above 1 a multi-turn replay, each "
                         "follow-up sent with the history and the server's earlier answers, after "
                         "the previous answer ended (default 1)")
-    g.add_argument("--active-conversations", type=_count(1), default=16,
+    g.add_argument("--active-conversations", type=_count(1), default=None,
                    help="chat, multi-turn: conversations interleaved in the mix; a conversation's "
                         "next turn comes this many requests after its previous one (default 16)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,

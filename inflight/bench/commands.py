@@ -68,9 +68,15 @@ def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
                             sonnet_file=getattr(args, "sonnet_file", None),
                             ignore_eos=args.ignore_eos, shuffle=shuffle,
                             conversation_turns=args.conversation_turns,
-                            active_conversations=args.active_conversations)
+                            active_conversations=args.active_conversations or 16)
     if args.conversation_turns > 1 and args.dataset != "chat":
         raise ValueError("--conversation-turns replays multi-turn chats: it needs --dataset chat")
+    if args.active_conversations is not None and args.conversation_turns == 1:
+        raise ValueError("--active-conversations shapes a multi-turn replay: it needs --conversation-turns > 1")
+    if dataset.conversation_turns > 1 and dataset.num_prompts <= dataset.active_conversations:
+        print(f"note: the first {dataset.active_conversations} requests of the mix are first turns "
+              f"(--active-conversations); with --num-prompts {dataset.num_prompts} no follow-up "
+              f"turn is sent unless a measurement window extends the mix", file=sys.stderr)
     if args.arrival == "poisson" and args.burstiness != 1.0:
         raise ValueError("--burstiness needs --arrival gamma")
     if args.arrival == "trace" and args.dataset != "trace":

@@ -28,6 +28,19 @@ def _fmt(v, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
     return f"{v * scale:.{digits}f}{unit}"
 
 
+def prefix_hit_rate(counters: dict[str, float]) -> float | None:
+    """Prefix-cache hits over queries (tokens) during a run, from the server's counters as
+    scraped (``inflight:`` or ``vllm:`` names); None where the server reports neither or
+    nothing was queried."""
+    def total(name: str) -> float | None:
+        vals = [v for k, v in counters.items() if k.rsplit(":", 1)[-1] == name]
+        return sum(vals) if vals else None
+    queries, hits = total("prefix_cache_queries_total"), total("prefix_cache_hits_total")
+    if not queries or hits is None:
+        return None
+    return hits / queries
+
+
 def format_summary(summary: dict, title: str = "inflight bench serve") -> str:
     """The run summary as a fixed-width table (latencies in ms)."""
     lines = [f"{'=' * 16} {title} {'=' * 16}"]
@@ -47,6 +60,9 @@ def format_summary(summary: dict, title: str = "inflight bench serve") -> str:
         rows.append(("Requests meeting SLO", f"{summary['good_requests']}/{summary['completed']}"))
     if summary.get("preemptions") is not None:
         rows.append(("Preemptions", _fmt(summary["preemptions"], digits=0)))
+    hit_rate = prefix_hit_rate(summary.get("server_counters") or {})
+    if hit_rate is not None:
+        rows.append(("Prefix cache hit rate (%)", _fmt(100 * hit_rate)))
     if summary.get("prompt_len_mismatches"):
         rows.append(("Prompt length mismatches", _fmt(summary["prompt_len_mismatches"])))
     width = max(len(k) for k, _ in rows) + 2

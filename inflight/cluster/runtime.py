@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -51,6 +52,8 @@ class RayRuntime:
             logger.info("Ray already initialised in this process; using it")
             return
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
+        if not sys.stderr.isatty():  # replicas' log lines without colour codes in a log file
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         if address is None:
             _loopback_only(self.ray)
             self.ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,

@@ -68,6 +68,11 @@ def test_usage_errors(fake_server, data_dir, capsys):
     assert main(["capacity", *common(srv.base_url, data_dir), "--slo", "ttft=1"]) == 2
     assert main(["sweep", *common(srv.base_url, data_dir), "--values", "1,2"]) == 2
     assert "needs" in capsys.readouterr().err
+    # Multi-turn flags without a multi-turn chat replay.
+    assert main(["serve", *common(srv.base_url, data_dir), "--conversation-turns", "3"]) == 2
+    assert "needs --dataset chat" in capsys.readouterr().err
+    assert main(["serve", *common(srv.base_url, data_dir), "--active-conversations", "4"]) == 2
+    assert "needs --conversation-turns > 1" in capsys.readouterr().err
 
 
 def test_bad_search_flags_are_refused_before_any_load(fake_server, data_dir, tmp_path, capsys):

@@ -12,6 +12,7 @@ from inflight.bench.client import make_client
 from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, build_dataset, conversation_slot
 from inflight.bench.prompts import WordCounter
+from inflight.bench.report import format_summary, prefix_hit_rate
 from inflight.bench.runner import ArrivalConfig, LoadConfig, open_session, run_point
 from inflight.bench.vllm_compat import vllm_result
 
@@ -79,6 +80,12 @@ def test_follow_ups_carry_the_history_and_wait_for_the_answer(fake_server, data_
     # The chat prompts were not counted by the client: the result reports the server's count.
     lens = vllm_result(point.records, point.summary)["input_lens"]
     assert lens == [r.prompt_tokens for r in point.records] and min(lens) > 0
+    # The summary's hit rate is the server's counters' (none here: the fake server has none).
+    assert prefix_hit_rate(point.summary["server_counters"]) is None
+    assert prefix_hit_rate({"inflight:prefix_cache_queries_total": 400.0,
+                            "inflight:prefix_cache_hits_total": 100.0}) == 0.25
+    assert "Prefix cache hit rate (%)" in format_summary({**point.summary, "server_counters": {
+        "vllm:prefix_cache_queries_total": 8.0, "vllm:prefix_cache_hits_total": 6.0}})
     # All six were due at once; each follow-up went only after its previous answer (>= 0.25 s).
     recs = {(s.meta["conversation"], s.meta["turn"]): r for s, r in zip(session.specs, point.records)}
     for (conv, turn), r in recs.items():
