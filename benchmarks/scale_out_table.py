@@ -9,6 +9,8 @@ import statistics
 import sys
 from collections import defaultdict
 
+from inflight.bench.report import prefix_hit_rate
+
 
 def main(out: str) -> None:
     rows = []
@@ -18,8 +20,8 @@ def main(out: str) -> None:
         tag = path.stem
         d = json.loads(path.read_text())
         c = d.get("server_metrics", {}).get("counter_deltas", {})
-        q = c.get("inflight:prefix_cache_queries_total") or 0
-        hit = c.get("inflight:prefix_cache_hits_total", 0) / q if q else float("nan")
+        hit = prefix_hit_rate(c)
+        hit = float("nan") if hit is None else hit
         stats_path = path.with_name(tag + ".stats.json")
         routed = ""
         if stats_path.exists():

@@ -96,8 +96,8 @@ class PrefixAffinityRouter:
             replica (measured: 63 of 64 multi-turn chat requests, docs/scale_out.md).
 
     Attributes:
-        hits, overrides: requests sent to a replica holding part of their prefix; requests
-            whose prefix replica was passed over for load.
+        hits, overrides: requests sent to a replica holding more than ``match_threshold``
+            of their prefix; requests whose prefix replica was passed over for load.
     """
 
     def __init__(self, block_size: int, threshold: int = 8, max_blocks: int = 64,

@@ -39,4 +39,6 @@ def test_observed_answers_keep_the_next_turn_on_its_replica():
     # Told what replica 0 generated, it knows 6 of 7: the conversation stays.
     r.observe(0, turn1 + answer)
     assert r.route(turn2, busy0) == 0 and r.hits == 1
+    before = [dict(seen) for seen in r._seen]
     r.observe(5, turn2)  # a replica the router has not seen: ignored
+    assert [dict(seen) for seen in r._seen] == before

@@ -68,7 +68,7 @@ def configs(args) -> tuple[LoadConfig, DatasetConfig, ArrivalConfig, SLO]:
                             sonnet_file=getattr(args, "sonnet_file", None),
                             ignore_eos=args.ignore_eos, shuffle=shuffle,
                             conversation_turns=args.conversation_turns,
-                            active_conversations=args.active_conversations or 16)
+                            active_conversations=args.active_conversations or DatasetConfig.active_conversations)
     if args.conversation_turns > 1 and args.dataset != "chat":
         raise ValueError("--conversation-turns replays multi-turn chats: it needs --dataset chat")
     if args.active_conversations is not None and args.conversation_turns == 1:

@@ -25,6 +25,12 @@ def is_follow_up(spec: RequestSpec) -> bool:
     return spec.meta.get("turn", 0) > 0
 
 
+def _sent_as(spec: RequestSpec, messages: list[dict]) -> RequestSpec:
+    # The client counted only the turn's own message: the length is the server's to report.
+    return dataclasses.replace(spec, messages=messages, prompt="\n".join(m["content"] for m in messages),
+                               prompt_len=None, exact=False)
+
+
 @dataclass
 class _Turn:
     messages: list[dict] | None = None  # what this turn sent (history + its message); None: not sent
@@ -66,9 +72,7 @@ class ConversationLog:
             if prev.messages is not None:
                 messages = [*prev.messages, {"role": "assistant", "content": prev.answer}, *own]
         turn.messages = messages
-        sent = dataclasses.replace(spec, messages=messages, prompt="\n".join(m["content"] for m in messages),
-                                   prompt_len=None, exact=False)
-        return sent, turn
+        return _sent_as(spec, messages), turn
 
     @staticmethod
     def finish(turn: _Turn | None, answer: str) -> None:
@@ -93,6 +97,5 @@ def with_stand_in_answers(specs: list[RequestSpec]) -> list[RequestSpec]:
         prev = log.get(conv) if is_follow_up(spec) else None
         messages = list(spec.as_messages()) if prev is None else [*prev, *spec.as_messages()]
         log[conv] = [*messages, {"role": "assistant", "content": " ".join(["answer"] * spec.output_len)}]
-        out.append(dataclasses.replace(spec, messages=messages, prompt="\n".join(m["content"] for m in messages),
-                                       prompt_len=None, exact=False))
+        out.append(_sent_as(spec, messages))
     return out

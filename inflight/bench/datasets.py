@@ -354,21 +354,26 @@ async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int, start: i
         if cfg.conversation_turns > 1:
             conv, turn = conversation_slot(i, cfg.conversation_turns, cfg.active_conversations, cfg.seed)
             q = questions[int(order[conv % len(order)])]
-            turns = q.get("turns") or [q["prompt"]]
+            turns = _user_turns(q)
             if turn < len(turns):
                 text = turns[turn]
             else:  # a follow-up the file does not have: another question's first turn
                 other = questions[int(np.random.default_rng([cfg.seed, conv, turn]).integers(len(questions)))]
-                text = (other.get("turns") or [other["prompt"]])[0]
+                text = _user_turns(other)[0]
             meta = {"question_id": q.get("question_id"), "category": q.get("category"),
                     "conversation": conv, "turn": turn}
         else:
             q = questions[int(order[i % len(order)])]
-            text = q["turns"][0] if "turns" in q else q["prompt"]  # MT-Bench, or vLLM's custom JSONL
+            text = _user_turns(q)[0]
             meta = {"question_id": q.get("question_id"), "category": q.get("category")}
         specs.append(RequestSpec(text, [{"role": "user", "content": text}], None, cfg.output_len,
                                  cfg.effective_ignore_eos(), meta=meta))
     return specs
+
+
+def _user_turns(q: dict) -> list[str]:
+    """A chat file line's user turns: MT-Bench's ``turns``, or vLLM's custom JSONL ``prompt``."""
+    return q["turns"] if "turns" in q else [q["prompt"]]
 
 
 def conversation_slot(index: int, turns: int, active: int, seed: int = 0) -> tuple[int, int]:

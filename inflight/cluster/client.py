@@ -449,11 +449,14 @@ class ClusterEngine:
             raise EngineDeadError("the engine is not running")
         live = [r for r in self.replicas if r.up]
         dropped: int = sum(await asyncio.gather(*(r.actor.reset_prefix_cache.remote() for r in live)))
+        for r in live:
+            self._router_forget(r.index)  # what it was sent is no longer cached there
+        return dropped
+
+    def _router_forget(self, index: int) -> None:
         forget = getattr(self.router, "forget", None)
         if forget is not None:
-            for r in live:
-                forget(r.index)  # what it was sent is no longer cached there
-        return dropped
+            forget(index)
 
     @staticmethod
     def _fire(ref: Any) -> None:
@@ -542,9 +545,7 @@ class ClusterEngine:
             self._end(rid, RequestFailedError(why))
         r.lost += len(lost)
         r.stats, r.num_waiting = _zero_stats(), 0
-        forget = getattr(self.router, "forget", None)
-        if forget is not None:
-            forget(r.index)  # its prefix cache is gone with it
+        self._router_forget(r.index)  # its prefix cache is gone with it
 
     async def _wait_back(self, r: ReplicaState) -> None:
         t0 = time.monotonic()

@@ -9,7 +9,7 @@ zero when it comes back (a Prometheus counter reset). The ingress adds:
 
 - ``inflight:router_requests_total{replica}``: requests routed to each replica.
 - ``inflight:router_prefix_hits_total``, ``inflight:router_prefix_overrides_total``:
-  ``prefix_affinity`` requests sent to a replica holding part of their prefix, and those
+  ``prefix_affinity`` requests sent to a replica holding most of their prefix, and those
   whose prefix replica was passed over for load (absent under other routers).
 - ``inflight:replica_up{replica}`` (1 while routed to), ``inflight:replica_restarts_total``,
   ``inflight:replica_lost_requests_total`` (requests failed because their replica died).
@@ -70,7 +70,7 @@ def router_families(cluster: ClusterEngine) -> list[Metric]:
         lost.add_metric(values, r.lost)
     out: list[Metric] = [routed, up, restarts, lost]
     if hasattr(cluster.router, "hits"):
-        for attr, doc in (("hits", "Requests sent to a replica holding part of their prefix."),
+        for attr, doc in (("hits", "Requests sent to a replica holding more than half of their prefix blocks."),
                           ("overrides", "Requests whose prefix replica was passed over for load.")):
             fam = CounterMetricFamily(f"inflight:router_prefix_{attr}", doc, labels=["model_name"])
             fam.add_metric([name], getattr(cluster.router, attr))

@@ -180,16 +180,20 @@ def test_prefix_affinity_keeps_a_prefix_on_one_replica(cluster, client):
     assert router.hits - hits >= 3
     stats = httpx.get(cluster.base_url + "/stats").json()
     assert stats["replicas"][served[0]]["stats"]["prefix_cache_hits_total"] >= 3 * 16
-    # The router learns the answer's blocks too (the replica caches them): a fresh prompt of
-    # P tokens with 48 generated leaves exactly (P + 47) // 16 hashes behind (the last sampled
-    # token has no K/V).
+    # The router learns the answer's blocks too (the replica caches them), all but the last
+    # sampled token's, whose K/V is never computed: P prompt tokens and G generated leave
+    # (P + G - 1) // 16 hashes. G is chosen so that P + G is a multiple of 16: counting the
+    # last token as well would give one more.
+    prompt = "Count the sheep in the far meadow, slowly."
+    p = len(cluster.engine.tokenizer.encode(prompt, True))
+    g = 48 - p % 16
     before = _routed(cluster)
     remembered = [len(seen) for seen in router._seen]
-    resp = client.completions.create(model=MODEL, prompt="Count the sheep in the far meadow, slowly.",
-                                     max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=g, temperature=0,
+                                     extra_body={"ignore_eos": True})
     i = next(i for i, (a, b) in enumerate(zip(_routed(cluster), before)) if a > b)
-    assert resp.usage.completion_tokens == 48
-    assert len(router._seen[i]) - remembered[i] == (resp.usage.prompt_tokens + 47) // 16
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (p, g)
+    assert len(router._seen[i]) - remembered[i] == (p + g - 1) // 16 == (p + g) // 16 - 1
     # Resetting the caches resets the router's memory of them: the prefix is new again.
     assert httpx.post(cluster.base_url + "/reset_prefix_cache").status_code == 200
     hits = router.hits
