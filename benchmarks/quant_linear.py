@@ -3,9 +3,9 @@ of the bundled model and row counts (issue 17): which path a decode step should 
 
 Per shape and row count, microseconds per call, best of ``--repeats`` interleaved runs:
 oneDNN's prepacked bfloat16 GEMM, the skinny bfloat16 kernel (M <= 16), and the block
-kernel in Q8_0, Q4_0 and Q4_1. Each weight is copied until the copies exceed L3, and calls
-cycle through them, so weights come from DRAM as in a real step. Effective GB/s = the
-format's weight bytes / time.
+kernel in Q8_0, Q4_0 and Q4_1 (on CPUs with AMX-INT8, its VNNI and AMX paths apart). Each
+weight is copied until the copies exceed L3, and calls cycle through them, so weights come
+from DRAM as in a real step. Effective GB/s = the format's weight bytes / time.
 
     .venv/bin/python benchmarks/quant_linear.py --rows 1 2 4 8 16
 """
@@ -35,9 +35,12 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if native_library() is None:
+    lib = native_library()
+    if lib is None:
         raise SystemExit("the native kernels did not build: nothing to compare")
-    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    amx_default = lib.quant_linear_amx(0)  # 0: no AMX tiles here
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, "
+          f"AMX {'from ' + str(amx_default) + ' rows' if amx_default else 'not available'}")
     torch.manual_seed(0)
     for name in args.shapes:
         n, k = SHAPES[name]
@@ -62,14 +65,22 @@ def main() -> None:
                          x, pick(dense).packed, None, "none", [], "")}
             if m <= 16:  # the skinny kernel's limit
                 calls["skinny bf16"] = lambda: skinny_linear(x, pick(dense).weight)
+            # the block kernel per format; where AMX is there, its VNNI and AMX paths apart
+            paths = {"": None} if amx_default == 0 else {" vnni": 1 << 40, " amx": 1}
+            thresholds: dict[str, int | None] = {key: None for key in calls}
             for f in QuantFormat:
-                calls[f.name] = lambda f=f: quant_linear(x, pick(quant[f]))
+                for suffix, threshold in paths.items():
+                    calls[f.name + suffix] = lambda f=f: quant_linear(x, pick(quant[f]))
+                    thresholds[f.name + suffix] = threshold
             best = {key: float("inf") for key in calls}
             for _ in range(args.repeats):  # interleaved: a noisy second shifts all alike
                 for key, fn in calls.items():
+                    lib.quant_linear_amx(thresholds[key] or amx_default)
                     best[key] = min(best[key], seconds_per_call(fn))
+            lib.quant_linear_amx(amx_default)
             nbytes = {"oneDNN bf16": n * k * 2, "skinny bf16": n * k * 2,
-                      **{f.name: quant[f][0].nbytes for f in QuantFormat}}
+                      **{f.name + suffix: quant[f][0].nbytes for f in QuantFormat
+                         for suffix in paths}}
             cells = "  ".join(f"{key} {1e6 * t:7.1f} us ({nbytes[key] / t / 1e9:4.1f} GB/s)"
                               for key, t in best.items())
             print(f"{name:8s} M={m:2d}: {cells}", flush=True)

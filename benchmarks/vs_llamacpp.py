@@ -14,7 +14,9 @@ every cycle, then inflight's best cycle against llama.cpp's best format and cycl
 llama-server is not built here (its build belongs outside the repo): give the binary with
 ``--llama-server`` or ``$LLAMA_SERVER``, and its GGUF files with ``--gguf LABEL=PATH`` or
 ``$LLAMACPP_GGUFS`` (``bf16=/x.gguf,q4_0=/y.gguf``). Without them the benchmark says so and
-exits 0 (nothing to compare).
+exits 0 (nothing to compare). ``--llama-args`` (or ``$LLAMA_SERVER_ARGS``) adds flags to
+every llama-server run. A server that fails to start is reported as failed in the table and
+the run goes on.
 
     .venv/bin/python benchmarks/vs_llamacpp.py --llama-server ~/llama.cpp/build/bin/llama-server \\
         --gguf bf16=smollm2-bf16.gguf --gguf q4_0=smollm2-q4_0.gguf --cycles 2 --out vs.json
@@ -122,10 +124,13 @@ def table(runs: list[dict], streams: list[int]) -> str:
             by_label.setdefault(r["label"], []).append(r)
         best = {}
         for label, rs in by_label.items():
-            cells = ", ".join(f"{r['points'][n]['output_tok_s']:.1f} ({r['points'][n]['itl_p50_ms']:.1f})"
+            cells = ", ".join((f"{r['points'][n]['output_tok_s']:.1f} ({r['points'][n]['itl_p50_ms']:.1f})"
+                               if n in r["points"] else "failed")
                               + (" busy" if r["machine_before"]["busy"] > 0.15 else "")
                               for r in rs)
-            best[label] = max(r["points"][n]["output_tok_s"] for r in rs)
+            done = [r["points"][n]["output_tok_s"] for r in rs if n in r["points"]]
+            if done:
+                best[label] = max(done)
             lines.append(f"  {label:28s} {cells}")
         ours = {k: v for k, v in best.items() if k.startswith("inflight")}
         theirs = {k: v for k, v in best.items() if k.startswith("llama.cpp")}
@@ -141,6 +146,9 @@ async def main() -> int:
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     p.add_argument("--gguf", action="append", default=[],
                    help="LABEL=PATH of a GGUF for llama-server (repeatable; or $LLAMACPP_GGUFS)")
+    p.add_argument("--llama-args", default=os.environ.get("LLAMA_SERVER_ARGS", ""),
+                   help="extra flags for every llama-server run (or $LLAMA_SERVER_ARGS), e.g. "
+                   "--no-repack where its repacked or AMX kernels fail on this CPU")
     p.add_argument("--inflight", action="append", default=[],
                    help="LABEL=FLAGS for `inflight serve` (repeatable; default: default= (no flags))")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -177,7 +185,8 @@ async def main() -> int:
                for k, v in inflight.items()}
     configs.update({f"llama.cpp {k}": f"{args.llama_server} -m {shlex.quote(v)} -t {args.threads} "
                     f"-tb {args.threads} -np {parallel} -c {parallel * (args.input_len + args.output_len + 16)} "
-                    f"--cont-batching --no-webui" for k, v in ggufs.items()})
+                    f"--cont-batching --no-webui {args.llama_args}".rstrip()
+                    for k, v in ggufs.items()})
     runs = []
     print(f"{len(configs)} configurations x {args.cycles} cycles, streams {args.streams}; "
           f"logs in {log_dir}")
@@ -186,8 +195,13 @@ async def main() -> int:
         for label, command in configs.items():
             port = free_port()
             cmd = f"{command} --host 127.0.0.1 --port {port}"
-            run = await run_config(label, cmd, f"http://127.0.0.1:{port}", args, args.tokenizer,
-                                   log_dir)
+            try:
+                run = await run_config(label, cmd, f"http://127.0.0.1:{port}", args,
+                                       args.tokenizer, log_dir)
+            except RuntimeError as e:  # a server that crashes is a result, not the end
+                print(f"  {label}: failed: {str(e).splitlines()[0]}", flush=True)
+                run = {"label": label, "command": cmd, "machine_before": busy_share(),
+                       "points": {}, "error": str(e)}
             run["cycle"] = cycle
             runs.append(run)
             m = run["machine_before"]

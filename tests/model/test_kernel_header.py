@@ -15,14 +15,15 @@ HEADER = Path(__file__).resolve().parents[2] / "inflight/model/kernels/kernels.h
 def test_kernels_h_binds_every_exported_function():
     sig = read_signatures(HEADER)
     assert set(sig) == {"paged_decode_attention", "reshape_and_cache", "paged_prefill_attention",
-                        "paged_prefill_head_dim", "skinny_linear", "quant_linear", "rms_norm",
-                        "silu_and_mul", "decode_layers"}
+                        "paged_prefill_head_dim", "skinny_linear", "quant_linear",
+                        "quant_linear_amx", "rms_norm", "silu_and_mul", "decode_layers"}
     i, l, f, p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     assert sig["rms_norm"] == (i, [i, p, p, p, l, l, f, l])
     assert sig["silu_and_mul"] == (None, [i, p, p, l, l, l])
     assert sig["paged_prefill_head_dim"] == (l, [])
     assert len(sig["decode_layers"][1]) == 22
     assert sig["quant_linear"] == (i, [i, i, p, p, p, p, p, p, l, l, l, l])
+    assert sig["quant_linear_amx"] == (l, [l])
 
 
 def test_unknown_or_unnamed_types_fail_loudly():

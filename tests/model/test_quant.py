@@ -81,6 +81,39 @@ def test_kernel_equals_dequantize_then_matmul(fmt, k, m, dtype):
     assert (y.double() - plain).abs().max() < 0.02 * scale  # int8 input: a few per mille
 
 
+@pytest.fixture
+def amx_threshold():
+    """The AMX threshold of ``quant_linear.c``, set by the test and restored after it; skips
+    where the CPU or OS gives no AMX tiles."""
+    lib = native_library()
+    before = lib.quant_linear_amx(0)
+    if before == 0:
+        pytest.skip("no AMX-INT8 on this CPU (or not permitted)")
+    yield lib.quant_linear_amx
+    lib.quant_linear_amx(before)
+
+
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+@pytest.mark.parametrize("n, k", [(37, 96), (960, 576), (576, 1536)])  # 37: 3 tiles, one lone
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_path_equals_the_vnni_path(amx_threshold, fmt, n, k, dtype):
+    """The AMX tiles give the VNNI kernel's bits: exact integer sums, the same float steps;
+    rows past one tile (16), past one chunk (32), a lone weight tile, 1 and 2 threads."""
+    g = torch.Generator().manual_seed(n + k)
+    weight = QuantizedWeight.quantize(torch.randn(n, k, generator=g) * 0.1, fmt)
+    bias = torch.randn(n, generator=g).to(dtype)
+    for m in (1, 5, 16, 17, 31, 32, 33, 48):
+        x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+        x[0, :32] = 0
+        for threads in (1, 2):
+            amx_threshold(1 << 40)
+            vnni = quant_linear(x, weight, bias, num_threads=threads)
+            amx_threshold(1)
+            amx = quant_linear(x, weight, bias, num_threads=threads)
+            assert vnni is not None and amx is not None
+            assert torch.equal(amx, vnni), (m, threads)
+
+
 def test_kernel_refuses_what_it_does_not_take():
     weight = QuantizedWeight.quantize(torch.randn(8, 64), QuantFormat.Q4_0)
     assert quant_linear(torch.randn(1, 32), weight) is None  # K mismatch

@@ -27,6 +27,9 @@ int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, v
 int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void *scales,
                  const void *mins, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
                  int64_t num_threads);
+/* min_rows > 0: calls of at least that many rows take the AMX tiles. Returns the threshold in
+ * force before the call, or 0 where the CPU or OS gives no AMX. */
+int64_t quant_linear_amx(int64_t min_rows);
 /* rms_norm.c, activation.c */
 int rms_norm(int is_bf16, const void *x, const void *weight, void *y, int64_t T, int64_t D,
              float eps, int64_t num_threads);

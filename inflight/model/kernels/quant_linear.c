@@ -2,7 +2,8 @@
  * one of ggml's 32-weight block formats, for decode steps: at a few rows a step is bound by
  * streaming W from DRAM, and 4-bit weights are ~3.5x fewer bytes than bfloat16; at more
  * rows, integer dot products (AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction) do
- * twice the work of bfloat16 ones a cycle.
+ * twice the work of bfloat16 ones a cycle, and from 16 rows AMX-INT8 tiles (tdpbsud, where
+ * the CPU has them) take the integer products with the same bits (see HAVE_AMX below).
  *
  * The scheme is ggml's (llama.cpp's CPU backend): each 32-value block of an input row is
  * quantized to int8 with one scale (as ggml-cpu's quantize_row_q8_0 does on x86: dx =
@@ -172,6 +173,188 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
     }
     for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out + m * TILE, acc[m]);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX-INT8 (Sapphire Rapids and later): one tdpbsud multiplies a block of up to 16 input
+ * rows by a tile of 16 weight rows (16 x 16 x 32 multiply-adds, signed inputs by unsigned
+ * weights), where the VNNI path spends 8 vpdpbusd per input row. The packed tile is already
+ * the B operand's VNNI order (register j, lane l, byte b = value 4j + b of row l; Q4's
+ * nibbles split into it first). The per-block scales still need each block's int32 sums in
+ * vector registers, so they are stored from the tiles and scaled exactly as tile_dot does;
+ * the integer sums are exact either way, so the two paths give the same bits. What limits
+ * it is that store-and-scale per 16 x 16 x 32 product (ggml's AMX kernels do the same). */
+struct tile_config {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Linux hands a process the tile data state only on request; without it the first tile
+ * instruction faults (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+static int amx_permitted(void) {
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+
+/* Up to 32 input rows (A tiles tmm4, tmm5: rows 0-15, 16-31) against up to 32 weight rows
+ * (two packed tiles, B tiles tmm6, tmm7), one 32-value block at a time: four tile products
+ * into tmm0-3 (C[h][g]: input half h, weight tile g), stored as int32 sums and scaled in
+ * float32 as tile_dot does. Each A and B tile feeds two products, and a block's scaling
+ * runs while the next block's products are in the tile unit. */
+#define SUMS(h, g) (sums[(b) & 1][2 * (h) + (g)])
+#define WEIGHTS(B, src, g)                                                                   \
+    do {                                                                                     \
+        const uint8_t *t_ = (src) + b * tb;                                                  \
+        _mm_prefetch((const char *)(t_ + PF_TILES * tb), _MM_HINT_T0);                       \
+        _mm_prefetch((const char *)(t_ + PF_TILES * tb + 64), _MM_HINT_T0);                  \
+        _mm_prefetch((const char *)(t_ + PF_TILES * tb + 128), _MM_HINT_T0);                 \
+        _mm_prefetch((const char *)(t_ + PF_TILES * tb + 192), _MM_HINT_T0);                 \
+        if (fmt == Q8_0) {                                                                   \
+            _mm_prefetch((const char *)(t_ + PF_TILES * tb + 256), _MM_HINT_T0);             \
+            _mm_prefetch((const char *)(t_ + PF_TILES * tb + 320), _MM_HINT_T0);             \
+            _mm_prefetch((const char *)(t_ + PF_TILES * tb + 384), _MM_HINT_T0);             \
+            _mm_prefetch((const char *)(t_ + PF_TILES * tb + 448), _MM_HINT_T0);             \
+            _tile_loadd(B, t_, 64);                                                          \
+        } else { /* nibbles to bytes: register j -> VNNI rows 2j, 2j + 1 */                  \
+            uint8_t *w_ = wbuf[b & 1][g];                                                    \
+            for (int j = 0; j < 4; j++) {                                                    \
+                const __m512i v = _mm512_loadu_si512((const void *)(t_ + 64 * j));           \
+                _mm512_store_si512((void *)(w_ + 128 * j), _mm512_and_si512(v, lo_mask));    \
+                _mm512_store_si512((void *)(w_ + 128 * j + 64),                              \
+                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask));      \
+            }                                                                                \
+            _tile_loadd(B, w_, 64);                                                          \
+        }                                                                                    \
+    } while (0)
+#define PRODUCT(C, A, B, h, g)                                                               \
+    do {                                                                                     \
+        _tile_zero(C);                                                                       \
+        _tile_dpbsud(C, A, B);                                                               \
+        _tile_stored(C, SUMS(h, g), 64);                                                     \
+    } while (0)
+
+/* tile_dot's float32 steps for block b of one (input half, weight tile): 16 sums a row. */
+static inline __attribute__((always_inline)) void
+scale_block(int fmt, const int32_t *sums, const uint16_t *d, const uint16_t *mins, int64_t b,
+            const float *dx, const int32_t *corr, const float *dxsx, int64_t xm, int64_t M,
+            __m512 *acc) {
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * TILE)));
+    __m512 mw = _mm512_setzero_ps();
+    if (fmt == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + b * TILE)));
+    for (int64_t m = 0; m < M; m++) {
+        __m512i s = _mm512_load_si512((const void *)(sums + 16 * m));
+        if (fmt != Q4_1) s = _mm512_add_epi32(s, _mm512_set1_epi32(corr[b * xm + m]));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx[b * xm + m])),
+                                 dw, acc[m]);
+        if (fmt == Q4_1) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxsx[b * xm + m]), acc[m]);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+scale_blocks(int fmt, int32_t (*s)[256], const uint16_t *d0, const uint16_t *d1,
+             const uint16_t *mn0, const uint16_t *mn1, int64_t b, const float *dx,
+             const int32_t *corr, const float *dxsx, int64_t xm, int64_t M0, int64_t M1,
+             int two, __m512 (*acc)[16]) {
+    scale_block(fmt, s[0], d0, mn0, b, dx, corr, dxsx, xm, M0, acc[0]);
+    if (two) scale_block(fmt, s[1], d1, mn1, b, dx, corr, dxsx, xm, M0, acc[1]);
+    if (M1) {
+        scale_block(fmt, s[2], d0, mn0, b, dx + 16, corr + 16, dxsx + 16, xm, M1, acc[2]);
+        if (two) scale_block(fmt, s[3], d1, mn1, b, dx + 16, corr + 16, dxsx + 16, xm, M1, acc[3]);
+    }
+}
+
+/* out[h][g][m][16]: input half h, weight tile g (two: the second tile exists). Tiles
+ * configured for M0 = min(M, 16) and M1 = M - M0 rows. */
+static inline __attribute__((always_inline)) void
+quad_dot_amx(int fmt, const uint8_t *qs0, const uint8_t *qs1, const uint16_t *d0,
+             const uint16_t *d1, const uint16_t *mn0, const uint16_t *mn1, int two,
+             const int8_t *q, const float *dx, const int32_t *corr, const float *dxsx,
+             int64_t xm, int64_t M0, int64_t M1, int64_t K, float *out) {
+    const int64_t nb = K / QK, tb = tile_bytes(fmt);
+    const __m512i lo_mask = _mm512_set1_epi8(0x0f);
+    _Alignas(64) uint8_t wbuf[2][2][512];
+    _Alignas(64) int32_t sums[2][4][256];
+    __m512 acc[4][16];
+    for (int u = 0; u < 4; u++)
+        for (int m = 0; m < 16; m++) acc[u][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        WEIGHTS(6, qs0, 0);
+        _tile_loadd(4, q + b * xm * QK, QK);
+        PRODUCT(0, 4, 6, 0, 0);
+        if (M1) {
+            _tile_loadd(5, q + (b * xm + 16) * QK, QK);
+            PRODUCT(2, 5, 6, 1, 0);
+        }
+        if (two) {
+            WEIGHTS(7, qs1, 1);
+            PRODUCT(1, 4, 7, 0, 1);
+            if (M1) PRODUCT(3, 5, 7, 1, 1);
+        }
+        if (b > 0) /* the previous block's, while this one's products run */
+            scale_blocks(fmt, sums[(b - 1) & 1], d0, d1, mn0, mn1, b - 1, dx, corr, dxsx, xm,
+                         M0, M1, two, acc);
+    }
+    scale_blocks(fmt, sums[(nb - 1) & 1], d0, d1, mn0, mn1, nb - 1, dx, corr, dxsx, xm, M0, M1,
+                 two, acc);
+    for (int u = 0; u < 4; u++)
+        for (int m = 0; m < 16; m++) _mm512_storeu_ps(out + (u * 16 + m) * TILE, acc[u][m]);
+}
+
+static void configure_tiles(int64_t M0, int64_t M1) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int g = 0; g < 2; g++) {
+        c.rows[g] = (uint8_t)M0, c.colsb[g] = 64;      /* tmm0, tmm1: C[0][g] */
+        c.rows[2 + g] = (uint8_t)M1, c.colsb[2 + g] = M1 ? 64 : 0; /* tmm2, tmm3: C[1][g] */
+        c.rows[6 + g] = 8, c.colsb[6 + g] = 64;        /* tmm6, tmm7: B */
+    }
+    c.rows[4] = (uint8_t)M0, c.colsb[4] = QK;          /* tmm4, tmm5: A */
+    c.rows[5] = (uint8_t)M1, c.colsb[5] = M1 ? QK : 0; /* a tile of no rows has no columns */
+    /* an "m" operand of the whole struct: GCC 12 drops the stores before _tile_loadconfig,
+     * which it takes to read one byte */
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+}
+
+/* One thread's share: input rows in chunks of 32, its weight tiles [lo, hi) in pairs. */
+static void amx_share(int fmt, int is_bf16, const uint8_t *qs, const uint16_t *scales,
+                      const uint16_t *mins, const int8_t *q, const float *dx,
+                      const int32_t *corr, const float *dxsx, const void *bias, void *y,
+                      int64_t M, int64_t N, int64_t K, int64_t lo, int64_t hi) {
+    const int64_t nb = K / QK, tb = tile_bytes(fmt);
+    float out[4 * 16 * TILE];
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t mm = M - m0 < 32 ? M - m0 : 32, M0 = mm < 16 ? mm : 16, M1 = mm - M0;
+        configure_tiles(M0, M1);
+        for (int64_t tile = lo; tile < hi; tile += 2) {
+            const int two = tile + 1 < hi;
+            const uint16_t *mn0 = mins ? mins + tile * nb * TILE : NULL;
+#define QUAD(F) quad_dot_amx(F, qs + tile * nb * tb, qs + (tile + 1) * nb * tb,              \
+                             scales + tile * nb * TILE, scales + (tile + 1) * nb * TILE, mn0, \
+                             mn0 ? mn0 + nb * TILE : NULL, two, q + m0 * QK, dx + m0,       \
+                             corr + m0, dxsx + m0, M, M0, M1, K, out)
+            if (fmt == Q8_0) QUAD(Q8_0);
+            else if (fmt == Q4_0) QUAD(Q4_0);
+            else QUAD(Q4_1);
+#undef QUAD
+            for (int64_t m = 0; m < mm; m++)
+                for (int g = 0; g <= two; g++) {
+                    const int64_t r0 = (tile + g) * TILE, rows = N - r0 < TILE ? N - r0 : TILE;
+                    const float *o = out + ((m / 16 * 2 + g) * 16 + m % 16) * TILE;
+                    for (int64_t l = 0; l < rows; l++)
+                        store_output(is_bf16, y, (m0 + m) * N + r0 + l, o[l], bias, r0 + l);
+                }
+        }
+    }
+    _tile_release(); /* oneDNN configures its own on its next call */
+}
+#endif /* AMX */
 #else
 /* Plain C, where AVX512-VNNI is missing: the same sums, value by value. */
 static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
@@ -202,6 +385,25 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
 }
 #endif
 
+/* Calls of at least this many input rows take the AMX path where the CPU and OS give one:
+ * measured on the bundled model's shapes, VNNI is faster at 8 rows, level at 16, and AMX
+ * 1.2-1.35x faster at 32 and 64 (docs/performance.md). */
+#ifdef HAVE_AMX
+static int64_t amx_min_rows = 16;
+#endif
+
+int64_t quant_linear_amx(int64_t min_rows) {
+#ifdef HAVE_AMX
+    const int64_t before = amx_min_rows;
+    if (!amx_permitted()) return 0;
+    if (min_rows > 0) amx_min_rows = min_rows;
+    return before;
+#else
+    (void)min_rows;
+    return 0;
+#endif
+}
+
 /* Returns 0; -1 for shapes or formats it does not take, or no memory (the caller then uses
  * the dequantized weights). N: the layer's rows (the packed tiles may pad it to 16). */
 int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void *scales,
@@ -222,27 +424,38 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
     for (int64_t m = 0; m < M; m++)
         quantize_row(fmt, is_bf16, (const char *)x + m * K * (is_bf16 ? 2 : 4), K, M,
                      q + m * QK, dx + m, corr + m, dxsx + m);
+#ifdef HAVE_AMX
+    const int use_amx = M >= amx_min_rows && amx_permitted();
+#endif
     int64_t nt = num_threads < tiles ? num_threads : tiles;
     nt = nt > 1 ? nt : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t t = team_thread(), n = team_size();
-        float out[M_CHUNK * TILE];
-        /* input chunks outside, tiles inside: a chunk's int8 rows stay in L1 while the
-         * thread's share of the weights streams from its L2 (tiles outside re-read every
-         * input row from L3 once a tile: prompt-sized M then lost to oneDNN) */
-        for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
-            const int64_t mm = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
-            for (int64_t tile = tiles * t / n; tile < tiles * (t + 1) / n; tile++) {
-                const int64_t r0 = tile * TILE, rows = N - r0 < TILE ? N - r0 : TILE;
-                tile_dot(fmt, (const uint8_t *)qs + tile * nb * tb,
-                         (const uint16_t *)scales + tile * nb * TILE,
-                         mins == NULL ? NULL : (const uint16_t *)mins + tile * nb * TILE,
-                         q + m0 * QK, dx + m0, corr + m0, dxsx + m0, M, mm, K, out);
-                for (int64_t m = 0; m < mm; m++)
-                    for (int64_t l = 0; l < rows; l++)
-                        store_output(is_bf16, y, (m0 + m) * N + r0 + l, out[m * TILE + l], bias,
-                                     r0 + l);
+        const int64_t lo = tiles * t / n, hi = tiles * (t + 1) / n;
+#ifdef HAVE_AMX
+        if (use_amx)
+            amx_share(fmt, is_bf16, qs, scales, mins, q, dx, corr, dxsx, bias, y, M, N, K, lo, hi);
+        else
+#endif
+        {
+            float out[M_CHUNK * TILE];
+            /* input chunks outside, tiles inside: a chunk's int8 rows stay in L1 while the
+             * thread's share of the weights streams from its L2 (tiles outside re-read every
+             * input row from L3 once a tile: prompt-sized M then lost to oneDNN) */
+            for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+                const int64_t mm = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+                for (int64_t tile = lo; tile < hi; tile++) {
+                    const int64_t r0 = tile * TILE, rows = N - r0 < TILE ? N - r0 : TILE;
+                    tile_dot(fmt, (const uint8_t *)qs + tile * nb * tb,
+                             (const uint16_t *)scales + tile * nb * TILE,
+                             mins == NULL ? NULL : (const uint16_t *)mins + tile * nb * TILE,
+                             q + m0 * QK, dx + m0, corr + m0, dxsx + m0, M, mm, K, out);
+                    for (int64_t m = 0; m < mm; m++)
+                        for (int64_t l = 0; l < rows; l++)
+                            store_output(is_bf16, y, (m0 + m) * N + r0 + l, out[m * TILE + l],
+                                         bias, r0 + l);
+                }
             }
         }
     }
