@@ -7,7 +7,7 @@ shape) falls back to the PyTorch path, logged once.
 - ``linear.c``: the skinny linear layer for decode at batch 1-2.
 - ``quant_linear.c``: the linear layer over 4- and 8-bit block-quantized weights (ggml's
   Q4_0, Q4_1, Q8_0) for decode steps (``--quantization``; ``model/quant.py``): AVX512-VNNI,
-  and AMX-INT8 tiles from 16 rows where the CPU has them.
+  and AMX-INT8 tiles from 24 rows where the CPU has them.
 - ``rms_norm.c``, ``activation.c``: RMSNorm and ``silu_and_mul`` in one pass.
 - ``kernels.h``: the exported functions, checked against every definition by the compiler;
   the ctypes bindings are read from it (``header.py``).
@@ -266,7 +266,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     """``x @ W.T + bias`` with ``W`` in a block format, for a few rows (``quant_linear.c``):
     each 32-value block of ``x`` quantized to int8 (ggml's Q8_0), integer dot products per
     block, both scales applied in float32 (llama.cpp's CPU scheme). The dot products run on
-    AVX512-VNNI, or from 16 rows on AMX-INT8 tiles where the CPU has them (the same bits).
+    AVX512-VNNI, or from 24 rows on AMX-INT8 tiles where the CPU has them (the same bits).
 
     Args:
         x: ``[M, K]`` float32 or bfloat16, CPU, K a multiple of 32.

@@ -2,7 +2,7 @@
  * one of ggml's 32-weight block formats, for decode steps: at a few rows a step is bound by
  * streaming W from DRAM, and 4-bit weights are ~3.5x fewer bytes than bfloat16; at more
  * rows, integer dot products (AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction) do
- * twice the work of bfloat16 ones a cycle, and from 16 rows AMX-INT8 tiles (tdpbsud, where
+ * twice the work of bfloat16 ones a cycle, and from 24 rows AMX-INT8 tiles (tdpbsud, where
  * the CPU has them) take the integer products with the same bits (see HAVE_AMX below).
  *
  * The scheme is ggml's (llama.cpp's CPU backend): each 32-value block of an input row is
@@ -386,10 +386,11 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
 #endif
 
 /* Calls of at least this many input rows take the AMX path where the CPU and OS give one:
- * measured on the bundled model's shapes, VNNI is faster at 8 rows, level at 16, and AMX
- * 1.2-1.35x faster at 32 and 64 (docs/performance.md). */
+ * measured on the bundled model's shapes with weights out of cache, VNNI is faster at 8
+ * rows, level at 16 (Q8_0 ahead on AMX, Q4 behind), and AMX 1.2-1.4x faster at 32 and 64
+ * (docs/performance.md). */
 #ifdef HAVE_AMX
-static int64_t amx_min_rows = 16;
+static int64_t amx_min_rows = 24;
 #endif
 
 int64_t quant_linear_amx(int64_t min_rows) {
