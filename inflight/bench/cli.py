@@ -22,7 +22,7 @@ from inflight.bench.arrivals import PROCESSES
 from inflight.bench import commands, tune
 from inflight.bench.confidence import DEFAULT_CONFIDENCE
 from inflight.bench.sustain import DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE
-from inflight.bench.datasets import BUILDERS, default_data_dir
+from inflight.bench.datasets import BUILDERS, DatasetConfig, default_data_dir
 from inflight.bench.vllm_compat import add_vllm_args, endpoint_type
 
 
@@ -127,7 +127,8 @@ def _common_parser() -> argparse.ArgumentParser:
                         "the previous answer ended (default 1)")
     g.add_argument("--active-conversations", type=_count(1), default=None,
                    help="chat, multi-turn: conversations interleaved in the mix; a conversation's "
-                        "next turn comes this many requests after its previous one (default 16)")
+                        "next turn comes this many requests after its previous one (default "
+                        f"{DatasetConfig.active_conversations})")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="send ignore_eos (default: on except for chat)")
     g.add_argument("--tokenize", choices=("auto", "server", "local", "approx"), default="auto",

@@ -119,8 +119,46 @@ static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int64_t
     }
 }
 
+/* Rows [0, mm) of one weight tile's float32 results (row m at out + m * 16) into y's rows
+ * m0 + m, columns r0 .. r0 + 15 that the layer has, bias added, rounded once. */
+static void store_tile(int is_bf16, void *y, const float *out, int64_t m0, int64_t mm,
+                       int64_t N, int64_t r0, const void *bias) {
+    const int64_t rows = N - r0 < TILE ? N - r0 : TILE;
+    for (int64_t m = 0; m < mm; m++)
+        for (int64_t l = 0; l < rows; l++)
+            store_output(is_bf16, y, (m0 + m) * N + r0 + l, out[m * TILE + l], bias, r0 + l);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PF_TILES 4 /* prefetch the weights this many blocks ahead */
+
+/* The packed tile PF_TILES blocks after t (tb bytes a block), so DRAM's latency is hidden. */
+static inline void prefetch_ahead(const uint8_t *t, int64_t tb) {
+    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch((const char *)(t + PF_TILES * tb + o), _MM_HINT_T0);
+}
+
+/* A Q4 register's nibbles as bytes: register j's low nibbles are values 8j + b of its
+ * rows, the high ones 8j + 4 + b (the layout above). */
+static inline void split_nibbles(__m512i v, __m512i *lo, __m512i *hi) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    *lo = _mm512_and_si512(v, mask);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+}
+
+/* A block's 16 float16 weight scales (or Q4_1's minimums) of a tile, as float32. */
+static inline __m512 block_halves(const uint16_t *h, int64_t b) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + b * TILE)));
+}
+
+/* One block's float32 steps for one input row: acc + (s dx) dw [+ mw dxsx for Q4_1], s the
+ * row's int32 sums with the offset correction in. The VNNI and AMX paths both call this, so
+ * their results are the same bits. */
+static inline __m512 scale_sums(int fmt, __m512i s, float dx, float dxsx, __m512 dw, __m512 mw,
+                                __m512 acc) {
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx)), dw, acc);
+    if (fmt == Q4_1) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxsx), acc);
+    return acc;
+}
 
 /* One tile of 16 weight rows against input rows [0, M) (M <= M_CHUNK), every block: sums
  * into out[m * 16 + lane]. The inputs are block-major (value j of block b of row m at
@@ -130,33 +168,20 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
                      const int8_t *q, const float *dx, const int32_t *corr, const float *dxsx,
                      int64_t xm, int64_t M, int64_t K, float *out) {
     const int64_t nb = K / QK, tb = tile_bytes(fmt);
-    const __m512i lo_mask = _mm512_set1_epi8(0x0f);
     __m512 acc[M_CHUNK];
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *t = qs + b * tb;
-        _mm_prefetch((const char *)(t + PF_TILES * tb), _MM_HINT_T0);
-        _mm_prefetch((const char *)(t + PF_TILES * tb + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(t + PF_TILES * tb + 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(t + PF_TILES * tb + 192), _MM_HINT_T0);
+        prefetch_ahead(t, tb);
         __m512i w[8];
         if (fmt == Q8_0) {
-            _mm_prefetch((const char *)(t + PF_TILES * tb + 256), _MM_HINT_T0);
-            _mm_prefetch((const char *)(t + PF_TILES * tb + 320), _MM_HINT_T0);
-            _mm_prefetch((const char *)(t + PF_TILES * tb + 384), _MM_HINT_T0);
-            _mm_prefetch((const char *)(t + PF_TILES * tb + 448), _MM_HINT_T0);
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(t + 64 * j));
         } else {
-            for (int j = 0; j < 4; j++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(t + 64 * j));
-                w[2 * j] = _mm512_and_si512(v, lo_mask);
-                w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
-            }
+            for (int j = 0; j < 4; j++)
+                split_nibbles(_mm512_loadu_si512((const void *)(t + 64 * j)), &w[2 * j], &w[2 * j + 1]);
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * TILE)));
-        __m512 mw = _mm512_setzero_ps();
-        if (fmt == Q4_1)
-            mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + b * TILE)));
+        const __m512 dw = block_halves(d, b);
+        const __m512 mw = fmt == Q4_1 ? block_halves(mins, b) : _mm512_setzero_ps();
         for (int64_t m = 0; m < M; m++) {
             const int32_t *xb = (const int32_t *)(q + (b * xm + m) * QK);
             /* two chains of four: half the latency of one of eight */
@@ -165,10 +190,8 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
                 s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xb[j]));
                 s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xb[j + 1]));
             }
-            const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(dx[b * xm + m])), dw, acc[m]);
-            if (fmt == Q4_1)
-                acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxsx[b * xm + m]), acc[m]);
+            acc[m] = scale_sums(fmt, _mm512_add_epi32(s0, s1), dx[b * xm + m], dxsx[b * xm + m],
+                                dw, mw, acc[m]);
         }
     }
     for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out + m * TILE, acc[m]);
@@ -207,52 +230,41 @@ static int amx_permitted(void) {
  * into tmm0-3 (C[h][g]: input half h, weight tile g), stored as int32 sums and scaled in
  * float32 as tile_dot does. Each A and B tile feeds two products, and a block's scaling
  * runs while the next block's products are in the tile unit. */
-#define SUMS(h, g) (sums[(b) & 1][2 * (h) + (g)])
-#define WEIGHTS(B, src, g)                                                                   \
-    do {                                                                                     \
-        const uint8_t *t_ = (src) + b * tb;                                                  \
-        _mm_prefetch((const char *)(t_ + PF_TILES * tb), _MM_HINT_T0);                       \
-        _mm_prefetch((const char *)(t_ + PF_TILES * tb + 64), _MM_HINT_T0);                  \
-        _mm_prefetch((const char *)(t_ + PF_TILES * tb + 128), _MM_HINT_T0);                 \
-        _mm_prefetch((const char *)(t_ + PF_TILES * tb + 192), _MM_HINT_T0);                 \
-        if (fmt == Q8_0) {                                                                   \
-            _mm_prefetch((const char *)(t_ + PF_TILES * tb + 256), _MM_HINT_T0);             \
-            _mm_prefetch((const char *)(t_ + PF_TILES * tb + 320), _MM_HINT_T0);             \
-            _mm_prefetch((const char *)(t_ + PF_TILES * tb + 384), _MM_HINT_T0);             \
-            _mm_prefetch((const char *)(t_ + PF_TILES * tb + 448), _MM_HINT_T0);             \
-            _tile_loadd(B, t_, 64);                                                          \
-        } else { /* nibbles to bytes: register j -> VNNI rows 2j, 2j + 1 */                  \
-            uint8_t *w_ = wbuf[b & 1][g];                                                    \
-            for (int j = 0; j < 4; j++) {                                                    \
-                const __m512i v = _mm512_loadu_si512((const void *)(t_ + 64 * j));           \
-                _mm512_store_si512((void *)(w_ + 128 * j), _mm512_and_si512(v, lo_mask));    \
-                _mm512_store_si512((void *)(w_ + 128 * j + 64),                              \
-                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask));      \
-            }                                                                                \
-            _tile_loadd(B, w_, 64);                                                          \
-        }                                                                                    \
-    } while (0)
-#define PRODUCT(C, A, B, h, g)                                                               \
+/* Block t's weight tile as tdpbsud's B operand: Q8_0's packed bytes as they are; Q4's
+ * nibbles split into buf, register j giving VNNI rows 2j and 2j + 1. */
+static inline __attribute__((always_inline)) const void *
+weight_operand(int fmt, const uint8_t *t, int64_t tb, uint8_t *buf) {
+    prefetch_ahead(t, tb);
+    if (fmt == Q8_0) return t;
+    for (int j = 0; j < 4; j++) {
+        __m512i lo, hi;
+        split_nibbles(_mm512_loadu_si512((const void *)(t + 64 * j)), &lo, &hi);
+        _mm512_store_si512((void *)(buf + 128 * j), lo);
+        _mm512_store_si512((void *)(buf + 128 * j + 64), hi);
+    }
+    return buf;
+}
+
+/* C = A B over one block, stored as int32 sums to dst (tile numbers must be constants). */
+#define PRODUCT(C, A, B, dst)                                                                \
     do {                                                                                     \
         _tile_zero(C);                                                                       \
         _tile_dpbsud(C, A, B);                                                               \
-        _tile_stored(C, SUMS(h, g), 64);                                                     \
+        _tile_stored(C, (dst), 64);                                                          \
     } while (0)
 
-/* tile_dot's float32 steps for block b of one (input half, weight tile): 16 sums a row. */
+/* tile_dot's float32 steps for block b of one (input half, weight tile): 16 sums a row
+ * (Q4_1 has no offset: its correction is 0). */
 static inline __attribute__((always_inline)) void
 scale_block(int fmt, const int32_t *sums, const uint16_t *d, const uint16_t *mins, int64_t b,
             const float *dx, const int32_t *corr, const float *dxsx, int64_t xm, int64_t M,
             __m512 *acc) {
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * TILE)));
-    __m512 mw = _mm512_setzero_ps();
-    if (fmt == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + b * TILE)));
+    const __m512 dw = block_halves(d, b);
+    const __m512 mw = fmt == Q4_1 ? block_halves(mins, b) : _mm512_setzero_ps();
     for (int64_t m = 0; m < M; m++) {
         __m512i s = _mm512_load_si512((const void *)(sums + 16 * m));
         if (fmt != Q4_1) s = _mm512_add_epi32(s, _mm512_set1_epi32(corr[b * xm + m]));
-        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx[b * xm + m])),
-                                 dw, acc[m]);
-        if (fmt == Q4_1) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxsx[b * xm + m]), acc[m]);
+        acc[m] = scale_sums(fmt, s, dx[b * xm + m], dxsx[b * xm + m], dw, mw, acc[m]);
     }
 }
 
@@ -277,24 +289,24 @@ quad_dot_amx(int fmt, const uint8_t *qs0, const uint8_t *qs1, const uint16_t *d0
              const int8_t *q, const float *dx, const int32_t *corr, const float *dxsx,
              int64_t xm, int64_t M0, int64_t M1, int64_t K, float *out) {
     const int64_t nb = K / QK, tb = tile_bytes(fmt);
-    const __m512i lo_mask = _mm512_set1_epi8(0x0f);
     _Alignas(64) uint8_t wbuf[2][2][512];
     _Alignas(64) int32_t sums[2][4][256];
     __m512 acc[4][16];
     for (int u = 0; u < 4; u++)
         for (int m = 0; m < 16; m++) acc[u][m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        WEIGHTS(6, qs0, 0);
+        int32_t (*s)[256] = sums[b & 1];
+        _tile_loadd(6, weight_operand(fmt, qs0 + b * tb, tb, wbuf[b & 1][0]), 64);
         _tile_loadd(4, q + b * xm * QK, QK);
-        PRODUCT(0, 4, 6, 0, 0);
+        PRODUCT(0, 4, 6, s[0]);
         if (M1) {
             _tile_loadd(5, q + (b * xm + 16) * QK, QK);
-            PRODUCT(2, 5, 6, 1, 0);
+            PRODUCT(2, 5, 6, s[2]);
         }
         if (two) {
-            WEIGHTS(7, qs1, 1);
-            PRODUCT(1, 4, 7, 0, 1);
-            if (M1) PRODUCT(3, 5, 7, 1, 1);
+            _tile_loadd(7, weight_operand(fmt, qs1 + b * tb, tb, wbuf[b & 1][1]), 64);
+            PRODUCT(1, 4, 7, s[1]);
+            if (M1) PRODUCT(3, 5, 7, s[3]);
         }
         if (b > 0) /* the previous block's, while this one's products run */
             scale_blocks(fmt, sums[(b - 1) & 1], d0, d1, mn0, mn1, b - 1, dx, corr, dxsx, xm,
@@ -343,13 +355,10 @@ static void amx_share(int fmt, int is_bf16, const uint8_t *qs, const uint16_t *s
             else if (fmt == Q4_0) QUAD(Q4_0);
             else QUAD(Q4_1);
 #undef QUAD
-            for (int64_t m = 0; m < mm; m++)
-                for (int g = 0; g <= two; g++) {
-                    const int64_t r0 = (tile + g) * TILE, rows = N - r0 < TILE ? N - r0 : TILE;
-                    const float *o = out + ((m / 16 * 2 + g) * 16 + m % 16) * TILE;
-                    for (int64_t l = 0; l < rows; l++)
-                        store_output(is_bf16, y, (m0 + m) * N + r0 + l, o[l], bias, r0 + l);
-                }
+            for (int h = 0; h < (M1 ? 2 : 1); h++)
+                for (int g = 0; g <= two; g++)
+                    store_tile(is_bf16, y, out + (2 * h + g) * 16 * TILE, m0 + 16 * h,
+                               h ? M1 : M0, N, (tile + g) * TILE, bias);
         }
     }
     _tile_release(); /* oneDNN configures its own on its next call */
@@ -447,15 +456,11 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
             for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
                 const int64_t mm = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
                 for (int64_t tile = lo; tile < hi; tile++) {
-                    const int64_t r0 = tile * TILE, rows = N - r0 < TILE ? N - r0 : TILE;
                     tile_dot(fmt, (const uint8_t *)qs + tile * nb * tb,
                              (const uint16_t *)scales + tile * nb * TILE,
                              mins == NULL ? NULL : (const uint16_t *)mins + tile * nb * TILE,
                              q + m0 * QK, dx + m0, corr + m0, dxsx + m0, M, mm, K, out);
-                    for (int64_t m = 0; m < mm; m++)
-                        for (int64_t l = 0; l < rows; l++)
-                            store_output(is_bf16, y, (m0 + m) * N + r0 + l, out[m * TILE + l],
-                                         bias, r0 + l);
+                    store_tile(is_bf16, y, out, m0, mm, N, tile * TILE, bias);
                 }
             }
         }
