@@ -291,7 +291,8 @@ def run_bench(args) -> int:
             parser.print_help(sys.stderr)
         return 2
     try:
-        return asyncio.run(_cancellable(COMMANDS[command](args)))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(_cancellable(COMMANDS[command](args)))
     except ValueError as e:
         print(f"inflight bench {command}: error: {e}", file=sys.stderr)
         return 2
@@ -306,6 +307,17 @@ def run_bench(args) -> int:
     except asyncio.CancelledError:
         print(f"inflight bench {command}: terminated; servers it started are stopped", file=sys.stderr)
         return 143
+
+
+def _loop_factory():
+    """uvloop's event loop where it is installed (uvicorn[standard] brings it): the load
+    generator shares the cores with the server it measures, and uvloop spends less CPU per
+    streamed token (docs/performance.md); else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _cancellable(coro):

@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 
@@ -93,40 +93,49 @@ def _finish_reason(data: dict) -> str | None:
     return None
 
 
+DONE = "[DONE]"  # what ``_SSE.feed`` returns for the stream's end marker
+
+
 class _SSE:
-    """Joins ``data:`` lines into events; tolerant of servers that omit blank lines."""
+    """Joins ``data:`` lines into events; tolerant of servers that omit blank lines.
+
+    Each payload is parsed once, here: a load generator sharing the cores with the server
+    it measures should spend as little as it can per token."""
 
     def __init__(self) -> None:
         self._buf: list[str] = []
 
-    def feed(self, line: str) -> str | None:
-        """Return a complete event payload, or None while one is still being assembled."""
+    def feed(self, line: str) -> Any:
+        """A complete event's payload, parsed (``DONE`` for ``[DONE]``), or None while one
+        is still being assembled (or for JSON ``null``, which carries nothing either).
+
+        Raises:
+            ValueError: a blank line ended an event that is not JSON.
+        """
         if not line:
             return self._flush()
         if line.startswith(":"):
             return None  # comment / keep-alive
         if not line.startswith("data:"):
             return None  # event:, id:, retry: carry nothing we time
-        payload = line[5:].lstrip(" ")
-        self._buf.append(payload)
+        self._buf.append(line[5:].lstrip(" "))
         joined = "\n".join(self._buf)
-        if joined == "[DONE]" or _is_json(joined):
+        if joined == DONE:
             self._buf = []
-            return joined
-        return None
+            return DONE
+        try:
+            value = json.loads(joined)
+        except ValueError:
+            return None  # more lines of this event to come
+        self._buf = []
+        return value
 
-    def _flush(self) -> str | None:
+    def _flush(self) -> Any:
         joined = "\n".join(self._buf)
         self._buf = []
-        return joined or None
-
-
-def _is_json(s: str) -> bool:
-    try:
-        json.loads(s)
-    except ValueError:
-        return False
-    return True
+        if not joined:
+            return None
+        return DONE if joined == DONE else json.loads(joined)
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord,
@@ -166,14 +175,13 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict, record: Re
             return
         sse, done = _SSE(), False
         async for line in resp.aiter_lines():
-            event = sse.feed(line)
-            if event is None:
+            data = sse.feed(line)
+            if data is None:
                 continue
             now = clock()
-            if event == "[DONE]":
+            if data is DONE:
                 done = True
                 break
-            data = json.loads(event)
             if not isinstance(data, dict):
                 continue
             if "error" in data:

@@ -368,7 +368,8 @@ class ClusterEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams, *, arrival_time: float | None = None,
                     options: RequestOptions | None = None,
-                    reservation: Reservation | None = None) -> RequestStream:
+                    reservation: Reservation | None = None, stream: bool = True,
+                    ) -> RequestStream:
         """Route a request to a replica and queue it there; returns its stream at once.
 
         Must be called on the event loop ``start`` ran on. Arguments and errors as
@@ -384,7 +385,7 @@ class ClusterEngine:
         if held is None:
             self.check_num_seqs(n)
         ids = list(self.tokenizer.encode(prompt, True) if isinstance(prompt, str) else prompt)
-        stream = RequestStream(request_id, self.abort, loop)
+        out = RequestStream(request_id, self.abort, loop, final_only=not stream)
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in use")
@@ -401,12 +402,12 @@ class ClusterEngine:
             if hasattr(self.router, "observe"):
                 self._kv_ids[request_id] = list(ids)
             r.routed += 1
-            self._streams[request_id] = stream
+            self._streams[request_id] = out
             self._owner[request_id] = i
         age = time.monotonic() - (time.monotonic() if arrival_time is None else arrival_time)
         ref = r.actor.add.remote(request_id, ids, sampling_params, age, options)
         loop.create_task(self._check_add(r, request_id, ref))
-        return stream
+        return out
 
     def _route(self, ids: Sequence[int]) -> int:
         # Called with the lock held. A router may name a down replica (round robin does):

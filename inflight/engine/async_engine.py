@@ -211,7 +211,8 @@ class AsyncEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams, *, arrival_time: float | None = None,
                     options: RequestOptions | None = None,
-                    reservation: "Reservation | None" = None) -> RequestStream:
+                    reservation: "Reservation | None" = None, stream: bool = True,
+                    ) -> RequestStream:
         """Queue a request; returns its ``RequestStream`` at once.
 
         Must be called from a running event loop (the outputs are delivered to it).
@@ -225,6 +226,9 @@ class AsyncEngine:
             options: priority and latency targets for the scheduler.
             reservation: places taken earlier by ``reserve``; this request uses ``n`` of
                 them instead of being admitted again.
+            stream: False for a caller that wants only the final output (a non-streamed
+                API call): the stream is ``final_only``, and the event loop is woken once
+                per request instead of once per token.
 
         Raises:
             EngineOverloadedError: ``max_num_waiting`` sequences already wait.
@@ -239,7 +243,7 @@ class AsyncEngine:
         held = reservation if reservation is not None and reservation.remaining >= n else None
         if held is None:
             self.check_num_seqs(n)
-        stream = RequestStream(request_id, self.abort, loop)
+        out = RequestStream(request_id, self.abort, loop, final_only=not stream)
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in use")
@@ -248,12 +252,12 @@ class AsyncEngine:
             else:
                 self._check_room(n)
                 self._num_pending += n
-            self._streams[request_id] = stream
+            self._streams[request_id] = out
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._commands.put(AddRequest(request_id, prompt, sampling_params, arrival,
                                       options or RequestOptions()))
         self._wake.set()
-        return stream
+        return out
 
     def reserve(self, num_seqs: int) -> "Reservation":
         """Admit ``num_seqs`` sequences now, before any costly work (templating,

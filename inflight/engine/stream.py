@@ -4,6 +4,11 @@ The engine thread ``put``s each delta (or the error that ends the request) throu
 ``loop.call_soon_threadsafe``; deltas that arrive before the reader took the previous one
 are merged into it, so a slow reader gets one chunk instead of a backlog (vLLM v1's output
 processor merges the same way) and an unread stream's buffer stays bounded.
+
+A ``final_only`` stream (a non-streamed API call: nobody reads its tokens one by one) holds
+its deltas on the producer's side and wakes the event loop once, with the final output:
+vLLM's ``RequestOutputKind.FINAL_ONLY``. Deltas are still made every step, because the
+metrics listener counts tokens and inter-token gaps from them.
 """
 
 from __future__ import annotations
@@ -35,28 +40,39 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, abort: Callable[[str], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, *, final_only: bool = False) -> None:
         self.request_id = request_id
         self._abort = abort
         self._loop = loop
+        self.final_only = final_only
+        self._held: list[RequestOutput] = []  # final_only: deltas not yet handed over
         self._pending: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Deliver an output or the error that ends the stream; called on the engine
-        thread (thread-safe, never blocks)."""
+        """Deliver an output or the error that ends the stream; called by one producer
+        thread (the engine's, or the event loop itself), thread-safe, never blocks. A
+        ``final_only`` stream keeps unfinished outputs until the last one comes."""
+        if self.final_only and isinstance(item, RequestOutput) and not item.finished:
+            self._held.append(item)  # only the producer touches _held
+            return
+        items: list[RequestOutput | BaseException] = [*self._held, item]
+        self._held = []
         try:
-            self._loop.call_soon_threadsafe(self._push, item)
+            self._loop.call_soon_threadsafe(self._push, items)
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
 
-    def _push(self, item: RequestOutput | BaseException) -> None:
+    def _push(self, items: list[RequestOutput | BaseException]) -> None:
+        outputs = [o for o in items if isinstance(o, RequestOutput)]
         last = self._pending[-1] if self._pending else None
-        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
-            self._pending[-1] = merge_outputs(last, item)
-        else:
-            self._pending.append(item)
+        if isinstance(last, RequestOutput) and not last.finished and outputs:
+            self._pending.pop()
+            outputs.insert(0, last)
+        if outputs:
+            self._pending.append(merge_outputs(*outputs) if len(outputs) > 1 else outputs[0])
+        self._pending.extend(o for o in items if isinstance(o, BaseException))
         self._ready.set()
 
     @property
@@ -87,27 +103,38 @@ class RequestStream:
             self._abort(self.request_id)
 
 
-def merge_outputs(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Fold the delta ``new`` into ``acc`` (same request); returns a new output.
+def merge_outputs(*deltas: RequestOutput) -> RequestOutput:
+    """Fold consecutive deltas of one request, oldest first, into one output (a new one;
+    one pass, so folding a whole request's deltas costs its length, not its square).
 
     Text, token ids and logprobs of each completion (by ``index``) are concatenated; status
-    fields (``finish_reason``, ``finished``, ``metrics``, ``error``) come from ``new``;
-    ``prompt_logprobs`` from whichever has them.
+    fields (``finish_reason``, ``finished``, ``metrics``, ``error``) come from the last
+    delta, a completion's ``finish_reason`` and ``stop_reason`` from its last delta that
+    has one; ``prompt_logprobs`` from the last delta that has them.
+
+    Raises:
+        ValueError: no deltas.
     """
-    by_index = {c.index: c for c in acc.outputs}
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            by_index[c.index] = replace(c, token_ids=list(c.token_ids))
-            continue
-        logprobs = None
-        if old.logprobs is not None or c.logprobs is not None:
-            logprobs = list(old.logprobs or []) + list(c.logprobs or [])
-        by_index[c.index] = CompletionOutput(
-            index=c.index, text=old.text + c.text, token_ids=list(old.token_ids) + list(c.token_ids),
-            logprobs=logprobs, finish_reason=c.finish_reason or old.finish_reason,
-            stop_reason=c.stop_reason if c.finish_reason else old.stop_reason)
-    prompt_logprobs = new.prompt_logprobs if new.prompt_logprobs is not None \
-        else acc.prompt_logprobs  # sent once, with the first delta that has them all
-    return replace(new, outputs=[by_index[i] for i in sorted(by_index)],
+    if not deltas:
+        raise ValueError("merge_outputs: no deltas")
+    parts: dict[int, list[CompletionOutput]] = {}
+    prompt_logprobs = None
+    for d in deltas:
+        for c in d.outputs:
+            parts.setdefault(c.index, []).append(c)
+        if d.prompt_logprobs is not None:
+            prompt_logprobs = d.prompt_logprobs  # sent once, with the first delta that has them all
+    return replace(deltas[-1], outputs=[_merge_completions(parts[i]) for i in sorted(parts)],
                    prompt_logprobs=prompt_logprobs)
+
+
+def _merge_completions(cs: list[CompletionOutput]) -> CompletionOutput:
+    logprobs = None
+    if any(c.logprobs is not None for c in cs):
+        logprobs = [lp for c in cs for lp in c.logprobs or ()]
+    ended = [c for c in cs if c.finish_reason]
+    return CompletionOutput(
+        index=cs[0].index, text="".join(c.text for c in cs),
+        token_ids=[t for c in cs for t in c.token_ids], logprobs=logprobs,
+        finish_reason=ended[-1].finish_reason if ended else None,
+        stop_reason=ended[-1].stop_reason if ended else None)

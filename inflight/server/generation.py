@@ -164,13 +164,16 @@ class Generation:
         reservation: the places ``reserve`` took for this call's sequences.
         options: priority and latency targets for every prompt's request.
         param_names: engine field names -> this route's, for error bodies.
+        stream: whether the call streams; a non-streamed one asks the engine for final
+            outputs only (``AsyncEngine.add_request(stream=False)``).
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], arrival_time: float, reservation: Reservation,
                  options: RequestOptions | None = None,
-                 param_names: dict[str, str] | None = None) -> None:
+                 param_names: dict[str, str] | None = None, stream: bool = True) -> None:
         self.ctx = ctx
+        self.stream = stream
         self.reservation = reservation
         self.options = options
         self.param_names = param_names
@@ -194,7 +197,7 @@ class Generation:
                 metrics.expect(f"{self.request_id}-{i}", p.n, p.max_tokens)
                 self.streams.append(self.ctx.engine.add_request(
                     f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time,
-                    options=self.options, reservation=self.reservation))
+                    options=self.options, reservation=self.reservation, stream=self.stream))
         except EngineError as e:
             metrics.forget(f"{self.request_id}-{len(self.streams)}")  # never queued
             self.abort()
@@ -259,10 +262,10 @@ class Generation:
 
     async def collect(self) -> list[RequestOutput]:
         """Run to the end; the cumulative final output per prompt."""
-        finals: dict[int, RequestOutput] = {}
+        deltas: dict[int, list[RequestOutput]] = {}
         async for i, out in self.deltas():
-            finals[i] = merge_outputs(finals[i], out) if i in finals else out
-        return [finals[i] for i in range(len(self.streams))]
+            deltas.setdefault(i, []).append(out)
+        return [merge_outputs(*deltas[i]) for i in range(len(self.streams))]
 
 
 def _checked(out: RequestOutput) -> RequestOutput:

@@ -70,7 +70,7 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
             structured_outputs=structured, n=num_seqs, prompt_logprobs=prompt_lps)
             for ids in prompts]
         gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
-                         reservation, req.options())
+                         reservation, req.options(), stream=req.stream)
         if req.echo:
             tok = ctx.engine.tokenizer
             gen.prompt_texts = [p if isinstance(p, str) else await asyncio.to_thread(
@@ -173,12 +173,16 @@ async def _sse_stream(gen: Generation, req, obj: str, choice,
     completion_tokens = 0
     base = {"id": gen.request_id, "object": obj, "created": gen.created,
             "model": gen.ctx.model_name}
+    # What every chunk repeats, encoded once: a chunk encodes only its own fields (the
+    # bytes are those of encoding the whole body each time).
+    head = "data: " + json.dumps(base, ensure_ascii=False)[:-1] + ', "choices": '
 
     def chunk(choices: list[dict]) -> str:
-        body = {**base, "choices": choices}
+        event = head + json.dumps(choices, ensure_ascii=False)
         if include_usage:
-            body["usage"] = _usage(gen.num_prompt_tokens, completion_tokens) if continuous else None
-        return sse(body)
+            usage = _usage(gen.num_prompt_tokens, completion_tokens) if continuous else None
+            event += ', "usage": ' + json.dumps(usage)
+        return event + "}\n\n"
 
     for body in opening or ():
         yield chunk([body])
@@ -270,7 +274,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
                                        {"logprobs": "top_logprobs", "max_tokens": max_param},
                                        structured_outputs=structured)
         return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
-                          reservation, req.options(), names)
+                          reservation, req.options(), names, stream=req.stream)
     except BaseException:  # a 400 after admission, or the client gone: free the places
         reservation.release()
         raise

@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from inflight.bench.client import RequestRecord, _SSE, build_payload, stream_request
+from inflight.bench.client import DONE, RequestRecord, _SSE, build_payload, stream_request
 from inflight.bench.datasets import RequestSpec
 from inflight.bench.stats import parse_slo, request_metrics, summarize
 
@@ -161,10 +161,13 @@ def test_sse_parser_tolerates_comments_multiline_and_missing_blank_lines():
     assert p.feed(": keep-alive") is None
     assert p.feed("event: message") is None
     assert p.feed('data: {"a":') is None
-    assert p.feed('data: 1}') == '{"a":\n1}'
-    assert p.feed('data:{"b": 2}') == '{"b": 2}'  # no space after the colon
-    assert p.feed("data: [DONE]") == "[DONE]"
+    assert p.feed('data: 1}') == {"a": 1}  # parsed once the lines make JSON
+    assert p.feed('data:{"b": 2}') == {"b": 2}  # no space after the colon
+    assert p.feed("data: [DONE]") is DONE
     assert p.feed("") is None
+    assert p.feed('data: {"c"') is None
+    with pytest.raises(ValueError):  # a blank line ends an event that never became JSON
+        p.feed("")
 
 
 def test_payloads():

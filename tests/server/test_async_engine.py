@@ -18,8 +18,8 @@ from inflight.config import EngineConfig
 from inflight.engine import Engine
 from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.stats import StatsLogger
-from inflight.engine.stream import merge_outputs
-from inflight.errors import EngineDeadError, EngineOverloadedError
+from inflight.engine.stream import RequestStream, merge_outputs
+from inflight.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from inflight.outputs import CompletionOutput, RequestOutput
 from inflight.core.output import SampleResult
 from inflight.sampling_params import SamplingParams
@@ -341,6 +341,85 @@ def test_merge_outputs():
     c = m.outputs[0]
     assert (c.text, c.token_ids, len(c.logprobs), c.finish_reason, m.finished) == \
         ("ab", [1, 2], 2, "stop", True)
+    # In one call, as many as come: the same result as folding them two by two.
+    assert merge_outputs(out("a", [1]), out("b", [2]), out("", [], "stop", True)) == m
+    assert merge_outputs(m) == m
+    with pytest.raises(ValueError):
+        merge_outputs()
+
+
+def test_merge_outputs_keeps_each_completion_and_its_stop_reason():
+    def out(*cs, finished=False, prompt_logprobs=None):
+        return RequestOutput("r", None, [1], list(cs), finished, prompt_logprobs=prompt_logprobs)
+    a0, b0 = CompletionOutput(0, "x", [5]), CompletionOutput(1, "y", [6])
+    b1 = CompletionOutput(1, "z", [7], finish_reason="stop", stop_reason="zz")
+    a1 = CompletionOutput(0, "w", [8], [{8: -0.5}], finish_reason="length")
+    m = merge_outputs(out(a0, b0, prompt_logprobs=[None]), out(b1), out(a1, finished=True))
+    assert m.finished and m.prompt_logprobs == [None]
+    assert [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in m.outputs] \
+        == [(0, "xw", [5, 8], "length", None), (1, "yz", [6, 7], "stop", "zz")]
+    # Logprobs of a completion whose earlier deltas had none: the ones there are.
+    assert m.outputs[0].logprobs == [{8: -0.5}] and m.outputs[1].logprobs is None
+
+
+def test_a_final_only_stream_wakes_the_loop_once_with_the_whole_output():
+    """A non-streamed call's stream holds its deltas on the producer's side: one hand-off
+    to the event loop per request, carrying every token."""
+    def delta(i: int, last: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(
+            0, f"t{i} ", [i], finish_reason="length" if last else None)], finished=last)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        handoffs = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (handoffs.append(a), real(*a))[1]  # type: ignore
+        stream = RequestStream("r", lambda _: None, loop, final_only=True)
+        for i in range(50):
+            stream.put(delta(i))
+        await asyncio.sleep(0)
+        assert handoffs == [] and stream.num_pending == 0
+        stream.put(delta(50, last=True))
+        items = [item async for item in stream]
+        return items, len(handoffs)
+
+    items, num_handoffs = asyncio.run(run())
+    assert num_handoffs == 1 and len(items) == 1 and items[0].finished
+    assert items[0].outputs[0].token_ids == list(range(51))
+    assert items[0].outputs[0].text == "".join(f"t{i} " for i in range(51))
+
+
+def test_a_final_only_stream_hands_over_what_it_held_before_an_error():
+    async def run():
+        stream = RequestStream("r", lambda _: None, asyncio.get_running_loop(), final_only=True)
+        stream.put(RequestOutput("r", None, [1], [CompletionOutput(0, "a", [3])], False))
+        stream.put(RequestFailedError("boom"))
+        got = []
+        with pytest.raises(RequestFailedError):
+            async for item in stream:
+                got.append(item)
+        return got
+
+    got = asyncio.run(run())
+    assert [o.outputs[0].token_ids for o in got] == [[3]]
+
+
+def test_a_non_streamed_request_gets_the_same_output_as_the_streamed_one(tokenizer):
+    engine, _ = fake_engine(tokenizer)
+    ae = AsyncEngine(engine, log_interval_s=0)
+    ae.start()
+    try:
+        async def main():
+            streamed = await asyncio.wait_for(_drain(ae.add_request("s", [1, 2, 3], params(6))), 10)
+            final_only = await asyncio.wait_for(
+                _drain(ae.add_request("f", [1, 2, 3], params(6), stream=False)), 10)
+            return streamed, final_only
+        streamed, final_only = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert len(streamed) > 1 and len(final_only) == 1
+    whole = merge_outputs(*streamed)
+    assert final_only[0].outputs == whole.outputs and final_only[0].finished
 
 
 # --- through HTTP -------------------------------------------------------------------------
