@@ -12,8 +12,8 @@ Two ways through inflight, both over the real engine:
   steps over the rest (every chunk at once, so decode steps carry as many rows as chunks):
   the scored tokens go through the path that serves generated tokens, with
   ``--quantization`` the block-quantized one;
-- ``prefill``: the whole chunk as a prompt, scored from its prefill logits (the dense
-  weights, the path every prompt takes).
+- ``prefill``: the whole chunk as a prompt, scored from its prefill logits (the path every
+  prompt takes: the dense weights where oneDNN has AMX, else the blocks; llama.py).
 
     .venv/bin/python benchmarks/perplexity.py --model smollm2-q4_0.gguf --quantization gguf \\
         --llama-perplexity ~/llama.cpp/build/bin/llama-perplexity
@@ -89,8 +89,8 @@ def score_prompt(engine: Engine, runner: ScoringRunner, chunks: list[list[int]])
 
 
 def score_prefill(model, chunks: list[list[int]]) -> float:
-    """Mean NLL of the same tokens from each whole chunk's prefill logits (the dense
-    weights; one chunk at a time, through the model's own paged forward)."""
+    """Mean NLL of the same tokens from each whole chunk's prefill logits (the prompt path;
+    one chunk at a time, through the model's own paged forward)."""
     from inflight.model.attention import AttentionMetadata, PrefillChunk
 
     ctx, first = len(chunks[0]), len(chunks[0]) // 2
@@ -209,7 +209,7 @@ def main() -> None:
               f"llama.cpp {same}/{total} = {100 * same / total:.1f} %", flush=True)
     t = time.perf_counter()
     nll = score_prefill(model, chunks)
-    print(f"inflight, prefill (the prompt path, dense): PPL = {math.exp(nll):.4f} "
+    print(f"inflight, prefill (the prompt path, {'blocks' if model.quantized_prompts else 'dense'}): PPL = {math.exp(nll):.4f} "
           f"({time.perf_counter() - t:.1f} s)", flush=True)
 
 

@@ -20,6 +20,7 @@ import httpx
 
 from inflight.bench.arrivals import PROCESSES
 from inflight.bench import commands, tune
+from inflight.bench.client import event_loop_factory
 from inflight.bench.confidence import DEFAULT_CONFIDENCE
 from inflight.bench.sustain import DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE
 from inflight.bench.datasets import BUILDERS, DatasetConfig, default_data_dir
@@ -291,7 +292,7 @@ def run_bench(args) -> int:
             parser.print_help(sys.stderr)
         return 2
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(_cancellable(COMMANDS[command](args)))
     except ValueError as e:
         print(f"inflight bench {command}: error: {e}", file=sys.stderr)
@@ -307,17 +308,6 @@ def run_bench(args) -> int:
     except asyncio.CancelledError:
         print(f"inflight bench {command}: terminated; servers it started are stopped", file=sys.stderr)
         return 143
-
-
-def _loop_factory():
-    """uvloop's event loop where it is installed (uvicorn[standard] brings it): the load
-    generator shares the cores with the server it measures, and uvloop spends less CPU per
-    streamed token (docs/performance.md); else asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 async def _cancellable(coro):

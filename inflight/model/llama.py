@@ -24,8 +24,8 @@ from torch import nn
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.config import ModelConfig
 from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS,
-                                    decode_layers, quant_linear, rms_norm, silu_and_mul,
-                                    skinny_linear)
+                                    decode_layers, onednn_has_amx, quant_linear, rms_norm,
+                                    silu_and_mul, skinny_linear)
 from inflight.model.quant import QuantFormat, QuantizedWeight, format_of
 
 
@@ -71,12 +71,15 @@ def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 # The leading rows of this step for which a Linear with block-quantized weights reads them;
 # the rest multiply the dequantized weights. The model's forward sets the step's generated
-# (output) tokens' rows (AttentionMetadata.num_generated). Prompt tokens thus always take
-# the dense path and generated tokens the quantized one, whatever the chunking, batch or
-# prefix-cache hits: a request's tokens do not depend on how its prompt was split (a prompt
-# chunk of 5 and one of 500 would otherwise differ by the input's int8 rounding). Measured,
-# the int8 kernel is faster than oneDNN's bfloat16 GEMM for a decode step of every size up
-# to 256 rows (docs/performance.md); prompts, hundreds of rows at once, stay with oneDNN.
+# (output) tokens' rows (AttentionMetadata.num_generated), or every row where prompts are
+# quantized too (``quantized_prompts``). Prompt tokens thus always take one path and
+# generated tokens the quantized one, whatever the chunking, batch or prefix-cache hits: a
+# request's tokens do not depend on how its prompt was split (a prompt chunk of 5 and one of
+# 500 would otherwise differ by the input's int8 rounding). Measured, the int8 kernel is
+# faster than oneDNN's bfloat16 GEMM for a decode step of every size up to 256 rows
+# (docs/performance.md); prompts, hundreds of rows at once, go to oneDNN where it has AMX
+# tiles (about twice the int8 kernel's speed at 128 rows), to the int8 kernel elsewhere
+# (about twice oneDNN's AVX-512 bfloat16 speed there).
 _quantized_rows: ContextVar[int] = ContextVar("quantized_rows", default=0)
 
 
@@ -299,6 +302,8 @@ class LlamaForCausalLM(nn.Module):
         linears = self._layer_linears()
         self.all_quantized = bool(linears) and all(m.quant is not None for m in linears)
         self.fused_decode_rows = sys.maxsize if self.all_quantized else SKINNY_MAX_ROWS
+        self.quantized_prompts = (self.all_quantized and self.device.type == "cpu"
+                                  and not onednn_has_amx())
 
     def _layer_linears(self) -> list[Linear]:
         return [m for layer in self.layers
@@ -318,6 +323,8 @@ class LlamaForCausalLM(nn.Module):
     # ahead of oneDNN's GEMM for more rows than the skinny one (kernels/__init__.py).
     fused_decode_rows: int = SKINNY_MAX_ROWS
     _step_quant_rows = 0  # the last forward's rule for the LM head (see _quantized_rows)
+    # Prompt rows read the blocks too (a CPU whose oneDNN has no AMX; see _quantized_rows).
+    quantized_prompts = False
     # Every decoder layer's linear layers quantized: the one-call path then runs them all
     # on the blocks, so it serves only steps whose rows are all generated tokens.
     all_quantized = False
@@ -393,7 +400,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos_sin(positions)
         # The LM head (compute_logits, next) follows the step's rule too: its first rows
         # are the generated ones (each samples).
-        self._step_quant_rows = meta.num_generated
+        self._step_quant_rows = x.shape[0] if self.quantized_prompts else meta.num_generated
         token = _quantized_rows.set(self._step_quant_rows)
         try:
             if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):

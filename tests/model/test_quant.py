@@ -20,7 +20,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from inflight.model.kernels import native_library, quant_linear
+from inflight.model.kernels import (apply_amx_setting, native_library, onednn_has_amx,
+                                    quant_linear)
 from inflight.model.kernels.header import read_signatures
 from inflight.model.quant import QuantFormat, QuantizedWeight
 
@@ -112,6 +113,26 @@ def test_amx_path_equals_the_vnni_path(amx_threshold, fmt, n, k, dtype):
             amx = quant_linear(x, weight, bias, num_threads=threads)
             assert vnni is not None and amx is not None
             assert torch.equal(amx, vnni), (m, threads)
+
+
+def test_inflight_cpu_amx_0_keeps_every_batch_on_vnni(amx_threshold):
+    """``INFLIGHT_CPU_AMX=0`` moves the threshold past any batch; unset or 1 leaves it."""
+    lib = native_library()
+    default = amx_threshold(0)
+    apply_amx_setting(lib, {"INFLIGHT_CPU_AMX": "1"})
+    apply_amx_setting(lib, {})
+    assert amx_threshold(0) == default
+    apply_amx_setting(lib, {"INFLIGHT_CPU_AMX": "0"})
+    assert amx_threshold(0) > 1 << 40
+
+
+def test_onednn_has_amx_follows_the_cpu_and_onednn_cap():
+    cpu = bool(torch.cpu._is_amx_tile_supported())
+    assert onednn_has_amx({}) == cpu
+    assert onednn_has_amx({"ONEDNN_MAX_CPU_ISA": "ALL"}) == cpu
+    assert onednn_has_amx({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}) == cpu
+    assert not onednn_has_amx({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
+    assert not onednn_has_amx({"ONEDNN_MAX_CPU_ISA": "avx2"})
 
 
 def test_kernel_refuses_what_it_does_not_take():

@@ -36,7 +36,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -105,7 +105,34 @@ def _build() -> ctypes.CDLL | None:
         f.argtypes = argtypes
     # Asked once: the head size the prefill kernel was built for (0: not built, no AVX-512).
     lib.prefill_head_dim = lib.paged_prefill_head_dim()
+    apply_amx_setting(lib, os.environ)
     return lib
+
+
+def onednn_has_amx(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether oneDNN's GEMMs can run on AMX tiles here: the CPU and OS give them
+    (``torch.cpu._is_amx_tile_supported``) and ``ONEDNN_MAX_CPU_ISA``, oneDNN's own cap,
+    does not rule them out (``ALL`` and the ``*_AMX*`` values leave them on). The model
+    sends prompt rows of block-quantized layers to oneDNN only then (llama.py)."""
+    cap = environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if cap not in ("ALL", "DEFAULT") and "AMX" not in cap:
+        return False
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+# Past any batch: the AMX path of quant_linear then never runs.
+_AMX_OFF = 1 << 62
+
+
+def apply_amx_setting(lib: ctypes.CDLL, environ: Mapping[str, str]) -> None:
+    """``INFLIGHT_CPU_AMX=0`` keeps generated tokens' int8 products on the AVX-512 VNNI path
+    where AMX tiles would take batches of 24+ rows. Both paths give the same bits
+    (tests/model/test_quant.py), so this changes only speed: a way round a platform whose
+    AMX state misbehaves (llama.cpp's AMX build dies on one, docs/performance.md) and a way
+    to measure a host without AMX."""
+    if environ.get("INFLIGHT_CPU_AMX", "1") == "0":
+        lib.quant_linear_amx(_AMX_OFF)
 
 
 def native_library() -> ctypes.CDLL | None:
