@@ -303,7 +303,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True  # accepted; ``required`` may return several calls
+    # False: at most one call (OpenAI's meaning); ``required`` then makes exactly one.
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Strict):

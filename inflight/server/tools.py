@@ -162,13 +162,17 @@ class ToolStream:
             finish_reason
 
 
-def _required_schema(tools: list[dict]) -> dict:
+def _required_schema(tools: list[dict], parallel: bool = True) -> dict:
     """vLLM's schema for ``tool_choice: "required"``: a non-empty array of calls, each
-    ``{"name": one tool's name, "parameters": that tool's parameters}``."""
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [{
+    ``{"name": one tool's name, "parameters": that tool's parameters}``; with ``parallel``
+    False (OpenAI's ``parallel_tool_calls: false``) exactly one call."""
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [{
         "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                        "parameters": t["function"].get("parameters") or _EMPTY_PARAMETERS},
         "required": ["name", "parameters"]} for t in tools]}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def plan_tools(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan | None:
@@ -200,7 +204,8 @@ def plan_tools(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan | Non
         return ToolPlan("none", tools)
     if choice == "required":
         plan = ToolPlan("required", tools,
-                        structured=StructuredOutputsParams(json=_required_schema(tools)))
+                        structured=StructuredOutputsParams(
+                            json=_required_schema(tools, req.parallel_tool_calls)))
     else:
         name = choice.function.name
         if name not in names:
