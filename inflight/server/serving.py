@@ -173,16 +173,12 @@ async def _sse_stream(gen: Generation, req, obj: str, choice,
     completion_tokens = 0
     base = {"id": gen.request_id, "object": obj, "created": gen.created,
             "model": gen.ctx.model_name}
-    # What every chunk repeats, encoded once: a chunk encodes only its own fields (the
-    # bytes are those of encoding the whole body each time).
-    head = "data: " + json.dumps(base, ensure_ascii=False)[:-1] + ', "choices": '
 
     def chunk(choices: list[dict]) -> str:
-        event = head + json.dumps(choices, ensure_ascii=False)
+        body = {**base, "choices": choices}
         if include_usage:
-            usage = _usage(gen.num_prompt_tokens, completion_tokens) if continuous else None
-            event += ', "usage": ' + json.dumps(usage)
-        return event + "}\n\n"
+            body["usage"] = _usage(gen.num_prompt_tokens, completion_tokens) if continuous else None
+        return sse(body)
 
     for body in opening or ():
         yield chunk([body])

@@ -25,6 +25,27 @@ def test_prompts_read_the_blocks_where_onednn_has_no_amx(llm):
     assert model.quantized_prompts == (not onednn_has_amx())
 
 
+@pytest.mark.parametrize("quantized_prompts", [False, True])
+def test_prompt_rows_take_the_path_the_rule_names(llm, monkeypatch, quantized_prompts):
+    """Whatever this CPU would choose: with the rule on, a prompt's rows go through the
+    block kernel in the prefill step; off, only generated rows do (prompts on oneDNN)."""
+    import inflight.model.llama as llama
+
+    rows = []
+    real = llama.quant_linear
+    monkeypatch.setattr(llama, "quant_linear", lambda x, *a, **k: (rows.append(x.shape[0]),
+                                                                    real(x, *a, **k))[1])
+    monkeypatch.setattr(llm.engine.runner.model, "quantized_prompts", quantized_prompts)
+    # 23 rows, no other step of this run has as many; a prompt of its own per case, so no
+    # block of it is in the prefix cache
+    prompt = list(range(2000 + 100 * quantized_prompts, 2023 + 100 * quantized_prompts))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert (23 in rows) == quantized_prompts
+    assert 1 in rows  # generated tokens read the blocks either way
+
+
 def test_llm_default_model_generate_and_chat(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("The capital of France is")

@@ -125,8 +125,8 @@ def test_done_comes_last(server):
 @pytest.mark.parametrize("usage", [None, {"include_usage": True},
                                    {"include_usage": True, "continuous_usage_stats": True}])
 def test_each_event_is_its_body_encoded_whole(server, usage):
-    """Chunks are assembled from a once-encoded head: every event must still be exactly the
-    JSON encoding of its body, fields in OpenAI's order."""
+    """Every event is exactly the JSON encoding of its body, fields in OpenAI's order, with
+    usage as asked (none, null until the last chunk, or running)."""
     body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True,
             "ignore_eos": True, **({"stream_options": usage} if usage else {})}
     events = _sse_events(server, "/v1/completions", body)[:-1]
