@@ -64,6 +64,7 @@ sys.path.insert(0, str(REPO))
 
 from inflight.bench.arrivals import rate_offsets  # noqa: E402
 from inflight.bench.datasets import AZURE_CONV_FILE, DatasetConfig, build_dataset, default_data_dir  # noqa: E402
+from inflight.bench.client import make_client  # noqa: E402
 from inflight.bench.prompts import make_counter  # noqa: E402
 
 SUCCESS = "inflight:request_success_total"
@@ -291,14 +292,15 @@ async def soak(args: argparse.Namespace, base_url: str, server_pid: int | None) 
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=30),
                                  limits=limits, trust_env=False) as client:
-        counter = await make_counter("auto", client, base_url, args.model, None)
         cfg = DatasetConfig(name="trace", num_prompts=min(n, args.max_distinct_prompts),
                             seed=args.seed, trace_file=args.trace, length_scale=args.length_scale,
                             max_input_len=args.max_input_len, max_output_len=args.max_output_len,
                             ignore_eos=args.ignore_eos, shuffle=True)
-        print(f"building {cfg.num_prompts} prompts from {cfg.trace_path()} "
-              f"(token counter: {counter.mode})", flush=True)
-        specs = await build_dataset(cfg, counter)
+        async with make_client() as bench_client:  # the bench's tokenizer counter speaks aiohttp
+            counter = await make_counter("auto", bench_client, base_url, args.model, None)
+            print(f"building {cfg.num_prompts} prompts from {cfg.trace_path()} "
+                  f"(token counter: {counter.mode})", flush=True)
+            specs = await build_dataset(cfg, counter)
         report.config["dataset"] = cfg.describe()
         report.config["token_counter"] = counter.mode
         offsets = rate_offsets(n, args.rate, "poisson", seed=args.seed)

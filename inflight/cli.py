@@ -75,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every request at INFO: thousands of lines under a benchmark.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         if args.command == "generate":
             return _run_generate(args)

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-import httpx
+import aiohttp
 
 from inflight.bench.arrivals import PROCESSES
 from inflight.bench import commands, tune
@@ -297,7 +297,7 @@ def run_bench(args) -> int:
     except ValueError as e:
         print(f"inflight bench {command}: error: {e}", file=sys.stderr)
         return 2
-    except (RuntimeError, OSError, httpx.HTTPError) as e:
+    except (RuntimeError, OSError, aiohttp.ClientError) as e:
         folder = str(getattr(args, "data_dir", None) or default_data_dir())
         hint = (f"; data files are read from {folder} (--data-dir, or $INFLIGHT_DATA_DIR)"
                 if isinstance(e, FileNotFoundError) and str(e.filename or "").startswith(folder) else "")

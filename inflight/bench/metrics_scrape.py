@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 # First name found wins. KV usage is a fraction in [0, 1] for all of them (vLLM's "perc"
@@ -67,7 +67,7 @@ def counter_deltas(before: Snapshot | None, after: Snapshot | None) -> dict[str,
 class Scraper:
     """Polls ``GET {base_url}/metrics``; disables itself after the first failed scrape."""
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None = None,
+    def __init__(self, client: aiohttp.ClientSession, base_url: str, headers: dict[str, str] | None = None,
                  timeout: float = 5.0) -> None:
         self._client = client
         self._url = base_url.rstrip("/") + "/metrics"
@@ -80,10 +80,11 @@ class Scraper:
         if self.available is False:
             return None
         try:
-            resp = await self._client.get(self._url, headers=self._headers, timeout=self._timeout)
-            resp.raise_for_status()
-            snap = parse_metrics(resp.text)
-        except (httpx.HTTPError, ValueError):
+            async with self._client.get(self._url, headers=self._headers,
+                                        timeout=aiohttp.ClientTimeout(total=self._timeout)) as resp:
+                resp.raise_for_status()
+                snap = parse_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             self.available = False
             return None
         self.available = True

@@ -21,7 +21,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-import httpx
+import aiohttp
 
 # Words that are a single token in every BPE/SentencePiece vocabulary we know of when
 # preceded by a space, so appending one moves the count by exactly one.
@@ -67,7 +67,7 @@ class ServerCounter:
     mode = "server"
     exact = True
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str | None,
+    def __init__(self, client: aiohttp.ClientSession, base_url: str, model: str | None,
                  headers: dict[str, str] | None = None, max_parallel: int = 8) -> None:
         self._client = client
         self._url = base_url.rstrip("/") + "/tokenize"
@@ -80,10 +80,10 @@ class ServerCounter:
         body: dict = {"prompt": text}
         if self._model:
             body["model"] = self._model
-        async with self._sem:
-            resp = await self._client.post(self._url, json=body, headers=self._headers, timeout=30.0)
-        resp.raise_for_status()
-        data = resp.json()
+        async with self._sem, self._client.post(self._url, json=body, headers=self._headers,
+                                                timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
+            resp.raise_for_status()
+            data = await resp.json(content_type=None)
         if "count" in data:
             return int(data["count"])
         return len(data["tokens"])
@@ -101,18 +101,18 @@ def load_local_tokenizer(path: str | pathlib.Path) -> LocalCounter:
     return LocalCounter(tok, str(p))
 
 
-async def probe_server_counter(client: httpx.AsyncClient, base_url: str, model: str | None,
+async def probe_server_counter(client: aiohttp.ClientSession, base_url: str, model: str | None,
                                headers: dict[str, str] | None = None) -> ServerCounter | None:
     """A ServerCounter if ``/tokenize`` answers sensibly, else None (404, error, odd shape)."""
     counter = ServerCounter(client, base_url, model, headers)
     try:
         n = await counter.count("hello world")
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
         return None
     return counter if n > 0 else None
 
 
-async def make_counter(mode: str, client: httpx.AsyncClient, base_url: str, model: str | None,
+async def make_counter(mode: str, client: aiohttp.ClientSession, base_url: str, model: str | None,
                        tokenizer_path: str | None, headers: dict[str, str] | None = None
                        ) -> TokenCounter:
     """Pick the counter for ``mode`` in {"auto", "server", "local", "approx"}.

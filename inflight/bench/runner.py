@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import httpx
+import aiohttp
 
 from inflight.bench.client import RequestRecord, auth_headers, build_payload, endpoint_path, stream_request
 from inflight.bench.conversations import ConversationLog
@@ -84,7 +84,7 @@ class Session:
     """What stays fixed across a run's points. ``simulation``: a ``sim.bench.SimSetup``
     when the points are simulated (``--simulate``; ``client`` is then None)."""
 
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     load: LoadConfig
     dataset: DatasetConfig
     model: str
@@ -171,19 +171,20 @@ class PointResult:
         return judge(self.records, self.window, slo, self.preemptions, thresholds, self.metrics_samples)
 
 
-async def _server_models(client: httpx.AsyncClient, base_url: str, headers: dict) -> list[dict]:
+async def _server_models(client: aiohttp.ClientSession, base_url: str, headers: dict) -> list[dict]:
     try:
-        resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
-        resp.raise_for_status()
-        return list(resp.json().get("data") or [])
-    except httpx.ConnectError as e:
+        async with client.get(base_url.rstrip("/") + "/v1/models", headers=headers,
+                              timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
+            resp.raise_for_status()
+            return list((await resp.json(content_type=None)).get("data") or [])
+    except aiohttp.ClientConnectorError as e:
         raise RuntimeError(f"cannot connect to {base_url}: {e}; is the server running "
                            f"(see --base-url)?") from None
-    except (httpx.HTTPError, ValueError, AttributeError):
+    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
         return []
 
 
-async def open_session(load: LoadConfig, dataset: DatasetConfig, client: httpx.AsyncClient) -> Session:
+async def open_session(load: LoadConfig, dataset: DatasetConfig, client: aiohttp.ClientSession) -> Session:
     """Ask the server what it serves, pick the token counter, build the request mix.
 
     ``client`` (see :func:`inflight.bench.client.make_client`) stays the caller's to close.
@@ -232,12 +233,14 @@ async def reset_prefix_cache(session: Session) -> bool:
     cold prefix cache. Returns False, with a warning, where the server lacks the route."""
     url = session.load.base_url.rstrip("/") + "/reset_prefix_cache"
     try:
-        r = await session.client.post(url, headers=session.headers, timeout=30)
-    except httpx.HTTPError as e:
+        async with session.client.post(url, headers=session.headers,
+                                       timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+            status = r.status
+    except (aiohttp.ClientError, TimeoutError) as e:
         logger.warning("reset_prefix_cache failed: %s", e)
         return False
-    if r.status_code != 200:
-        logger.warning("reset_prefix_cache: the server answered %d", r.status_code)
+    if status != 200:
+        logger.warning("reset_prefix_cache: the server answered %d", status)
         return False
     return True
 

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-import httpx
+import aiohttp
 
 _RUNNING: set["ServerProcess"] = set()
 _PR_SET_PDEATHSIG = 1
@@ -57,14 +57,16 @@ class ServerProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    async def _healthy(self, client: httpx.AsyncClient) -> bool:
+    async def _healthy(self, client: aiohttp.ClientSession) -> bool:
         try:
-            return (await client.get(self.base_url + "/health", timeout=2.0)).status_code == 200
-        except httpx.HTTPError:
+            async with client.get(self.base_url + "/health",
+                                  timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             return False
 
     async def start(self) -> None:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with aiohttp.ClientSession(trust_env=False) as client:
             if await self._healthy(client):
                 # Benchmarking a server we did not start would credit the wrong knob value.
                 raise RuntimeError(f"a server already answers at {self.base_url}; stop it or change --base-url")
@@ -80,7 +82,7 @@ class ServerProcess:
                 self.stop()
                 raise
 
-    async def _wait_healthy(self, client: httpx.AsyncClient) -> None:
+    async def _wait_healthy(self, client: aiohttp.ClientSession) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:

@@ -1,19 +1,20 @@
-"""The streaming client through httpx, with a virtual clock: per-request timings exact.
+"""The streaming client with a virtual clock: per-request timings exact.
 
-A MockTransport streams scripted SSE bytes; before each chunk it advances a fake clock by
-the scripted delay. The client reads that clock as it parses each line, so the measured
-TTFT, ITL, TPOT and E2E must equal the script exactly.
+A stand-in for aiohttp's session streams scripted SSE bytes; before each chunk it advances
+a fake clock by the scripted delay. The client reads that clock as it parses each line, so
+the measured TTFT, ITL, TPOT and E2E must equal the script exactly. The real aiohttp
+session is driven against real servers in test_bench_e2e.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
-import httpx
 import pytest
 
-from inflight.bench.client import DONE, RequestRecord, _SSE, build_payload, stream_request
+from inflight.bench.client import DONE, RequestRecord, _SSE, build_payload, sse_lines, stream_request
 from inflight.bench.datasets import RequestSpec
 from inflight.bench.stats import parse_slo, request_metrics, summarize
 
@@ -47,23 +48,43 @@ def usage(p, c):
     return {"choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
 
 
-def scripted(clock: FakeClock, events, status=200):
-    """Transport whose response streams ``events`` = [(delay s, bytes)], advancing ``clock``."""
+class ScriptedSession:
+    """What ``stream_request`` uses of an ``aiohttp.ClientSession``: ``post`` answers
+    ``status`` with the bytes ``body()`` yields, as ``resp.content.iter_any()`` would."""
+
+    def __init__(self, body, status=200) -> None:
+        self.body, self.status = body, status
+
+    @contextlib.asynccontextmanager
+    async def post(self, url, json=None, headers=None):
+        session = self
+
+        class Content:
+            def iter_any(self):
+                return session.body()
+
+        class Response:
+            status = session.status
+            content = Content()
+
+            async def read(self):
+                return b"".join([c async for c in session.body()])
+        yield Response()
+
+
+def scripted(clock: FakeClock, events, status=200) -> ScriptedSession:
+    """A session whose response streams ``events`` = [(delay s, bytes)], advancing ``clock``."""
     async def body():
         for delay, chunk in events:
             clock.t += delay
             yield chunk
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=body(), headers={"content-type": "text/event-stream"})
-    return httpx.MockTransport(handler)
+    return ScriptedSession(body, status)
 
 
 async def run(clock, events, status=200, start=0.0, timeout=30.0):
     clock.t = start
-    async with httpx.AsyncClient(transport=scripted(clock, events, status)) as client:
-        return await stream_request(client, "http://fake/v1/completions", {}, RequestRecord(0, start),
-                                    timeout=timeout, clock=clock)
+    return await stream_request(scripted(clock, events, status), "http://fake/v1/completions", {},
+                                RequestRecord(0, start), timeout=timeout, clock=clock)
 
 
 def completion_events(ttft, gaps, prompt_tokens=7, tokens_per_chunk=1, with_usage=True):
@@ -148,10 +169,8 @@ def test_timeout_is_a_failure():
             yield sse(comp("a"))
             await asyncio.sleep(5)
             yield sse(b"[DONE]")
-        transport = httpx.MockTransport(lambda req: httpx.Response(200, content=body()))
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await stream_request(client, "http://fake/v1/completions", {}, RequestRecord(0, 0.0),
-                                        timeout=0.05)
+        return await stream_request(ScriptedSession(body), "http://fake/v1/completions", {},
+                                    RequestRecord(0, 0.0), timeout=0.05)
     r = asyncio.run(main())
     assert not r.success and r.error.startswith("timeout")
 
@@ -168,6 +187,29 @@ def test_sse_parser_tolerates_comments_multiline_and_missing_blank_lines():
     assert p.feed('data: {"c"') is None
     with pytest.raises(ValueError):  # a blank line ends an event that never became JSON
         p.feed("")
+
+
+def test_sse_lines_joins_lines_split_across_chunks():
+    """Lines cut anywhere by the transport, a character's bytes split between two chunks,
+    CRLF ends, and a last line without an end all come out whole."""
+    body = 'data: {"t": "é"}\r\n\ndata: [DONE]'.encode()
+    cut = body.index("é".encode()) + 1  # between the two bytes of "é"
+
+    async def lines(chunks):
+        async def gen():
+            for c in chunks:
+                yield c
+        return [line async for line in sse_lines(gen())]
+    expected = ['data: {"t": "é"}', "", "data: [DONE]"]
+    assert asyncio.run(lines([body])) == expected
+    assert asyncio.run(lines([body[:cut], body[cut:]])) == expected
+    assert asyncio.run(lines([body[i:i + 1] for i in range(len(body))])) == expected
+    assert asyncio.run(lines([b"data: x\n", b"\n"])) == ["data: x", ""]
+
+
+def test_not_utf8_is_a_bad_stream():
+    r = asyncio.run(run(FakeClock(), [(0.1, b"data: \xff\n\n")]))
+    assert not r.success and r.error.startswith("bad stream: UnicodeDecodeError")
 
 
 def test_payloads():
