@@ -7,6 +7,7 @@ bundled tokenizer stand in for the model, so these run in seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -67,6 +68,16 @@ def params(max_tokens=4, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
+@contextlib.contextmanager
+def running(ae: AsyncEngine):
+    """The engine loop started for the block and shut down after it, however it ends."""
+    ae.start()
+    try:
+        yield ae
+    finally:
+        ae.shutdown()
+
+
 async def _drain(stream, limit=10_000):
     outs = []
     async for out in stream:
@@ -79,8 +90,7 @@ async def _drain(stream, limit=10_000):
 def test_generate_streams_deltas_and_merges(tokenizer):
     engine, _ = fake_engine(tokenizer)
     ae = AsyncEngine(engine, log_interval_s=0)
-    ae.start()
-    try:
+    with running(ae):
         async def main():
             outs = await asyncio.wait_for(_drain(ae.generate("a", [1, 2, 3], params(5))), 10)
             final = outs[0]
@@ -92,8 +102,6 @@ def test_generate_streams_deltas_and_merges(tokenizer):
         assert final.outputs[0].token_ids == [tokenizer.encode(" hi")[0]] * 5
         assert final.outputs[0].text == " hi" * 5
         assert final.outputs[0].finish_reason == "length"
-    finally:
-        ae.shutdown()
     assert not ae.is_running
 
 
@@ -103,8 +111,7 @@ def test_idle_loop_does_not_step_and_dynamic_policy_does_not_spin(tokenizer):
     real_step = engine.step
     engine.step = lambda: calls.append(1) or real_step()
     ae = AsyncEngine(engine, log_interval_s=0)
-    ae.start()
-    try:
+    with running(ae):
         time.sleep(0.3)
         assert calls == []  # idle: asleep on the event
 
@@ -119,15 +126,12 @@ def test_idle_loop_does_not_step_and_dynamic_policy_does_not_spin(tokenizer):
         n = len(calls)
         time.sleep(0.2)
         assert len(calls) == n
-    finally:
-        ae.shutdown()
 
 
 def test_max_num_waiting_bounds_the_queue(tokenizer):
     engine, _ = fake_engine(tokenizer, delay=0.02, max_num_seqs=1)
     ae = AsyncEngine(engine, max_num_waiting=2, log_interval_s=0)
-    ae.start()
-    try:
+    with running(ae):
         async def main():
             running = ae.add_request("run", [1, 2], params(1000))
             await asyncio.wait_for(running.__anext__(), 10)  # admitted and decoding
@@ -143,15 +147,12 @@ def test_max_num_waiting_bounds_the_queue(tokenizer):
                 assert outs[-1].finished
             assert (await asyncio.wait_for(_drain(ae.add_request("w5", [1], params(1))), 10))
         asyncio.run(main())
-    finally:
-        ae.shutdown()
 
 
 def test_reservations_hold_places_until_taken_or_released(tokenizer):
     engine, _ = fake_engine(tokenizer, delay=0.02, max_num_seqs=1)
     ae = AsyncEngine(engine, max_num_waiting=1, log_interval_s=0)
-    ae.start()
-    try:
+    with running(ae):
         async def main():
             running = ae.add_request("run", [1, 2], params(1000))
             await asyncio.wait_for(running.__anext__(), 10)  # admitted and decoding
@@ -174,8 +175,6 @@ def test_reservations_hold_places_until_taken_or_released(tokenizer):
                 assert (await asyncio.wait_for(_drain(st), 10))[-1].finished
             assert ae.num_waiting == 0
         asyncio.run(main())
-    finally:
-        ae.shutdown()
 
 
 def test_a_400_after_admission_gives_its_places_back(overload_server):
@@ -196,8 +195,7 @@ def test_a_400_after_admission_gives_its_places_back(overload_server):
 def test_free_running_slots_do_not_count_as_waiting(tokenizer):
     engine, _ = fake_engine(tokenizer, max_num_seqs=4)
     ae = AsyncEngine(engine, max_num_waiting=0, log_interval_s=0)
-    ae.start()
-    try:
+    with running(ae):
         async def main():
             # Four can run at once, so four are accepted even with no waiting room...
             streams = [ae.add_request(f"r{i}", [1], params(1000)) for i in range(4)]
@@ -207,8 +205,6 @@ def test_free_running_slots_do_not_count_as_waiting(tokenizer):
                 s.abort()
                 assert (await asyncio.wait_for(_drain(s), 10))[-1].finished
         asyncio.run(main())
-    finally:
-        ae.shutdown()
 
 
 def test_failures_stay_with_their_request(tokenizer):
@@ -222,8 +218,7 @@ def test_failures_stay_with_their_request(tokenizer):
         return real_add(request_id, *args, **kwargs)
 
     engine.add_request = add
-    ae.start()
-    try:
+    with running(ae):
         async def main():
             ok = ae.add_request("ok", [1, 2], params(30))
             first = await asyncio.wait_for(ok.__anext__(), 10)
@@ -240,8 +235,6 @@ def test_failures_stay_with_their_request(tokenizer):
             after = await asyncio.wait_for(_drain(ae.add_request("after", [1], params(2))), 10)
             assert after[-1].error is None and after[-1].outputs[0].finish_reason == "length"
         asyncio.run(main())
-    finally:
-        ae.shutdown()
 
 
 def test_step_exception_fails_in_flight_then_recovers(tokenizer):
@@ -257,8 +250,7 @@ def test_step_exception_fails_in_flight_then_recovers(tokenizer):
 
     engine.step = step
     ae = AsyncEngine(engine, log_interval_s=0)
-    ae.start()
-    try:
+    with running(ae):
         async def main():
             s = ae.add_request("x", [1, 2], params(1000))
             await asyncio.wait_for(s.__anext__(), 10)
@@ -270,8 +262,6 @@ def test_step_exception_fails_in_flight_then_recovers(tokenizer):
         asyncio.run(main())
         wait_until(lambda: engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks,
                    timeout=5, what="blocks to be freed")
-    finally:
-        ae.shutdown()
 
 
 def test_shutdown_aborts_in_flight_and_refuses_new(tokenizer):
@@ -300,14 +290,11 @@ def test_preemptions_are_counted(tokenizer):
     ae = AsyncEngine(engine, log_interval_s=0)
     metrics = ServerMetrics(ae)
     ae.listeners.append(metrics.on_step)
-    ae.start()
-    try:
+    with running(ae):
         async def main():
             streams = [ae.add_request(f"r{i}", [1] * 10, params(30)) for i in range(4)]
             return [await asyncio.wait_for(_drain(s), 30) for s in streams]
         results = asyncio.run(main())
-    finally:
-        ae.shutdown()
     for outs in results:  # preempted requests recompute and still finish whole
         assert sum(len(o.outputs[0].token_ids) for o in outs) == 30
     preemptions = engine.get_stats().num_preemptions
@@ -407,16 +394,13 @@ def test_a_final_only_stream_hands_over_what_it_held_before_an_error():
 def test_a_non_streamed_request_gets_the_same_output_as_the_streamed_one(tokenizer):
     engine, _ = fake_engine(tokenizer)
     ae = AsyncEngine(engine, log_interval_s=0)
-    ae.start()
-    try:
+    with running(ae):
         async def main():
             streamed = await asyncio.wait_for(_drain(ae.add_request("s", [1, 2, 3], params(6))), 10)
             final_only = await asyncio.wait_for(
                 _drain(ae.add_request("f", [1, 2, 3], params(6), stream=False)), 10)
             return streamed, final_only
         streamed, final_only = asyncio.run(main())
-    finally:
-        ae.shutdown()
     assert len(streamed) > 1 and len(final_only) == 1
     whole = merge_outputs(*streamed)
     assert final_only[0].outputs == whole.outputs and final_only[0].finished
