@@ -414,7 +414,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, prompt_rows: bool = False) -> torch.Tensor:
         """``[num_rows, hidden]`` -> ``[num_rows, vocab_size]`` float32 logits of the rows of
         the last ``forward`` (its quantized-rows rule applies), or with ``prompt_rows`` of
-        prompt positions only (prompt logprobs: the dense weights, as prompt rows use)."""
+        prompt positions only (prompt logprobs), always through the dense LM head: where
+        ``quantized_prompts`` sends the forward's prompt rows through the blocks, their
+        logprobs still come from the dense weights, the more exact of the two."""
         token = _quantized_rows.set(0 if prompt_rows else self._step_quant_rows)
         try:
             return self.lm_head(hidden).float()
