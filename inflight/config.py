@@ -51,6 +51,10 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         enable_chunked_prefill: split prompts longer than the remaining budget.
+        long_prefill_token_threshold: with chunked prefill, the most prompt tokens one
+            request computes in a step (vLLM's flag; 0: no cap, a long prompt takes the
+            whole budget, so requests arriving behind it start when its prefill ends). A
+            cap below the budget leaves room in every step for newcomers' prefills.
         enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
         batching_policy: ``continuous``, ``static`` or ``dynamic``.
         max_queue_delay: dynamic policy: seconds the oldest request may wait for a batch.
@@ -80,6 +84,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     batching_policy: str = "continuous"
     max_queue_delay: float = 0.05
@@ -112,6 +117,8 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+              "must be >= 0 (0: no cap)")
         check(self.batching_policy in BATCHING_POLICIES, "batching_policy",
               f"must be one of {BATCHING_POLICIES}")
         check(self.max_queue_delay >= 0, "max_queue_delay", "must be >= 0 seconds")
@@ -150,6 +157,10 @@ class EngineConfig:
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=True)
+        g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                       help="most prompt tokens one request computes in a step (0: no cap); "
+                       "below the budget, requests behind a long prompt start before its "
+                       "prefill ends")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="reuse cached KV blocks of shared prompt prefixes")
         g.add_argument("--batching-policy", default="continuous", choices=BATCHING_POLICIES)

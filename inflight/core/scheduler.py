@@ -46,6 +46,8 @@ class SchedulerConfig(Protocol):
     @property
     def enable_chunked_prefill(self) -> bool: ...
     @property
+    def long_prefill_token_threshold(self) -> int: ...
+    @property
     def max_model_len(self) -> int | None: ...
     @property
     def batching_policy(self) -> str: ...
@@ -342,10 +344,14 @@ class Scheduler:
 
     def _num_tokens_to_schedule(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
+        cfg = self.config
+        if cfg.enable_chunked_prefill and 0 < cfg.long_prefill_token_threshold < n:
+            # One long prompt may not take the whole budget: what is left goes to the next
+            # requests, waiting ones included (vLLM v1's long_prefill_token_threshold).
+            return cfg.long_prefill_token_threshold
         # Chunked prefill off: wait for a step with room for all of it, unless it can never
         # fit one (a preempted request recomputing prompt + output past the budget), which
         # would otherwise block the queue for ever.
-        cfg = self.config
         if (n < remaining and not cfg.enable_chunked_prefill
                 and remaining <= cfg.max_num_batched_tokens):
             return 0

@@ -173,15 +173,17 @@ class CompletionRequest(SamplingRequest):
     counted in ``usage``, as vLLM). ``best_of`` (>= n, not with stream) generates that many
     candidates per prompt and returns the ``n`` with the highest cumulative logprob.
     ``prompt_logprobs`` (vLLM's) adds ``prompt_logprobs`` to each choice. ``suffix`` is not
-    supported and answered with 400.
+    supported and answered with 400. ``max_tokens`` left out is 16, as in OpenAI's legacy
+    API and vLLM (``serving.completion_max_tokens``); ``null`` runs to the context's end.
     """
 
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: Annotated[int, Field(ge=0, json_schema_extra={MAX_TOKENS_MARK: True})] | None = \
-        Field(None, description="output tokens per choice; None: up to max_model_len; "
-                                "0 only with echo (scoring the prompt)")
+        Field(16, description="output tokens per choice; left out: 16 (OpenAI's and vLLM's "
+                                "default); null: up to max_model_len; 0 only with echo "
+                                "(scoring the prompt)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None

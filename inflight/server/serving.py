@@ -30,6 +30,24 @@ from inflight.tokenizer import ChatTemplateError
 
 
 # --- completions --------------------------------------------------------------------------
+# OpenAI's legacy completions, and vLLM's, generate 16 tokens when the body leaves
+# ``max_tokens`` out; an explicit ``null`` asks for the rest of the context.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def completion_max_tokens(ctx: ServerContext, req: CompletionRequest, prompt_len: int) -> int | None:
+    """The tokens to generate for a ``prompt_len``-token prompt: the body's ``max_tokens``
+    (0, scoring with ``echo``, generates one token that is then dropped, as vLLM does;
+    None: up to ``max_model_len``), or 16 when the body has none, fewer where the context
+    has less room left, so that leaving the field out never turns a prompt that fits into
+    a 400."""
+    if "max_tokens" in req.model_fields_set:
+        return 1 if req.max_tokens == 0 else req.max_tokens
+    if prompt_len + COMPLETION_DEFAULT_MAX_TOKENS <= ctx.engine.max_model_len:
+        return COMPLETION_DEFAULT_MAX_TOKENS
+    return None  # what is left of the context (a prompt too long for it is still a 400)
+
+
 async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
                              arrival_time: float) -> Generation:
     """Validate and tokenize a completions body (raises ``OpenAIError``)."""
@@ -58,15 +76,14 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
                 raise bad_request("prompt: must not be empty", param="prompt")
             prompts.append(ids)
         structured = await check_structured_outputs(ctx, req)
-        # Scoring (echo, max_tokens 0) generates one token and drops it, as vLLM does.
-        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         prompt_lps = req.prompt_logprobs
         if prompt_lps is None and req.echo:
             prompt_lps = req.logprobs  # the echoed prompt's logprobs
         # best_of ranks candidates by cumulative logprob: the sampled tokens' are needed.
         logprobs = 0 if req.logprobs is None and num_seqs > req.n else req.logprobs
         params = [build_sampling_params(
-            req, check_prompt_len(ctx.engine, len(ids), max_tokens), logprobs,
+            req, check_prompt_len(ctx.engine, len(ids), completion_max_tokens(ctx, req, len(ids))),
+            logprobs,
             structured_outputs=structured, n=num_seqs, prompt_logprobs=prompt_lps)
             for ids in prompts]
         gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,

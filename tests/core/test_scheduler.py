@@ -73,6 +73,37 @@ def test_chunked_prefill_mixes_chunks_with_decodes_under_the_budget():
     assert all(out.num_batched_tokens <= 8 for out in runner.steps)
 
 
+def _long_then_short(threshold):
+    """A 20-token prompt under an 8-token budget; a 3-token one arrives after step 1."""
+    runner = FakeRunner()
+    engine = make_engine(runner, max_num_batched_tokens=8, max_num_seqs=4,
+                         long_prefill_token_threshold=threshold)
+    engine.add_request("long", [4] * 20, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    engine.add_request("short", [3] * 3, SamplingParams(max_tokens=3, ignore_eos=True))
+    run_to_completion(engine)
+    return [[(s.request.request_id, s.num_scheduled_tokens, s.samples) for s in out.scheduled]
+            for out in runner.steps]
+
+
+def test_long_prefill_token_threshold_leaves_room_for_a_newcomer():
+    # No cap: the long prompt's chunks take every step's whole budget until its last one.
+    assert _long_then_short(0)[:4] == [
+        [("long", 8, False)],
+        [("long", 8, False)],
+        [("long", 4, True), ("short", 3, True)],
+        [("long", 1, True), ("short", 1, True)],
+    ]
+    # Capped at 5 tokens a step: the newcomer's prompt runs in the very next step.
+    assert _long_then_short(5)[:5] == [
+        [("long", 5, False)],
+        [("long", 5, False), ("short", 3, True)],
+        [("long", 5, False), ("short", 1, True)],
+        [("long", 5, True), ("short", 1, True)],
+        [("long", 1, True)],
+    ]
+
+
 def test_preemption_requeues_newest_and_recomputes():
     runner = FakeRunner()
     # 4 blocks of 4 tokens: two requests of 6 prompt tokens each hold 2 blocks; the first

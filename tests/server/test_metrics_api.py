@@ -187,21 +187,26 @@ def test_per_request_histograms_observe_a_known_request(url, served, tokenizer):
     assert metrics._params == {}  # nothing kept once the request finished
 
 
-def test_a_request_without_max_tokens_records_the_applied_default(url, tokenizer):
-    # A completion without max_tokens gets what the context leaves (vLLM's rule).
+def test_requests_without_a_max_tokens_record_the_applied_one(url, tokenizer):
+    # A completion with max_tokens null gets what the context leaves (vLLM's rule); one
+    # that leaves it out gets 16 (OpenAI's and vLLM's default).
     wait_until(lambda: idle(url), what="an idle server")
     before = values(url)
     prompt_ids = tokenizer.encode("x " * 200)
     r = httpx.post(url + "/v1/completions", timeout=60,
-                   json={"prompt": prompt_ids, "ignore_eos": True})
+                   json={"prompt": prompt_ids, "ignore_eos": True, "max_tokens": None})
     assert r.status_code == 200
-    wait_until(lambda: idle(url), what="the request to finish")
+    left_out = httpx.post(url + "/v1/completions", timeout=60,
+                          json={"prompt": prompt_ids, "ignore_eos": True})
+    assert left_out.status_code == 200
+    wait_until(lambda: idle(url), what="the requests to finish")
     after = values(url)
     applied = 512 - len(prompt_ids)
     assert r.json()["usage"]["completion_tokens"] == applied
+    assert left_out.json()["usage"]["completion_tokens"] == 16
     assert after["inflight:request_params_max_tokens_sum{}"] \
-        - before["inflight:request_params_max_tokens_sum{}"] == applied
-    assert after["inflight:request_params_n_sum{}"] - before["inflight:request_params_n_sum{}"] == 1
+        - before["inflight:request_params_max_tokens_sum{}"] == applied + 16
+    assert after["inflight:request_params_n_sum{}"] - before["inflight:request_params_n_sum{}"] == 2
 
 
 def test_aborted_requests_leave_the_params_histograms_alone(url, served):

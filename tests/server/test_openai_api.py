@@ -146,6 +146,23 @@ def test_each_event_is_its_body_encoded_whole(server, usage):
         assert json.loads(events[-1])["usage"]["completion_tokens"] == 5
 
 
+def test_max_tokens_left_out_is_16_and_null_is_the_rest_of_the_context(server):
+    """OpenAI's legacy completions (and vLLM's) default to 16 tokens; near the end of the
+    context the default is what is left, never a 400; ``null`` runs to the end."""
+    def usage(prompt, **body):
+        r = httpx.post(server.base_url + "/v1/completions", timeout=120,
+                       headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"prompt": prompt, "ignore_eos": True, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return r.json()["usage"]["completion_tokens"], choice["finish_reason"]
+    assert usage(PROMPT) == (16, "length")
+    long = [1000 + i % 500 for i in range(2040)]  # max_model_len is 2048
+    assert usage(long) == (8, "length")
+    assert usage(long[:2030], max_tokens=None) == (18, "length")
+    assert usage(PROMPT, max_tokens=3) == (3, "length")
+
+
 def test_sampling_fields_n_seed_stop_logprobs(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=123, n=2,
               logprobs=2, extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1,
