@@ -168,9 +168,15 @@ def test_capacity_cli(fake_server, data_dir, tmp_path, capsys):
                "--preemption-threshold", "inf", "--repeats", "2", "--save-result", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())["results"][0]
-    assert res["limits"] == [40.0, 40.0] and res["bounded"] is False
     printed = capsys.readouterr()
-    assert res["spread"]["mean"] == 40.0 and "lower bound" in printed.out
+    # A repeat's 1.5 s hold at 40 req/s can meet a stall of this test's own event loop on a
+    # busy CI host (seen once during the full suite: "queue growing", then 36.36 held): the
+    # search backing off to a lower rate that holds is the tool doing its job. Only that.
+    backed_off = [limit for limit in res["limits"] if limit != 40.0]
+    assert len(res["limits"]) == 2 and all(20.0 < limit < 40.0 for limit in backed_off)
+    assert printed.err.count("at rate=40: FAIL: queue growing") == len(backed_off)
+    assert res["bounded"] is False and "lower bound" in printed.out
+    assert res["spread"]["mean"] == pytest.approx(sum(res["limits"]) / 2)
     # Every point prints its measured p95s, passing ones too (not only a failure's reasons).
     lines = printed.err.splitlines()
     passes = [i for i, ln in enumerate(lines) if ln.strip().startswith("rate=") and ln.endswith(": pass")]
