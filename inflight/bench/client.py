@@ -23,13 +23,18 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import aiohttp
 
-from inflight.bench.datasets import RequestSpec
+if TYPE_CHECKING:  # a type only: datasets -> prompts -> this module at run time
+    from inflight.bench.datasets import RequestSpec
 
 Clock = Callable[[], float]
+
+# What a failed HTTP call raises here: aiohttp's errors, and TimeoutError for a timeout
+# (aiohttp's own timeouts subclass both). Every bench call site catches this one tuple.
+HTTP_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 @dataclass
@@ -220,7 +225,7 @@ async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
     """
     tail = b""
     async for data in chunks:
-        *lines, tail = (tail + data).split(b"\n") if tail else data.split(b"\n")
+        *lines, tail = (tail + data).split(b"\n")
         for line in lines:
             yield (line[:-1] if line.endswith(b"\r") else line).decode()
     if tail:
@@ -246,7 +251,7 @@ def make_client(max_connections: int | None = None, timeout: float = 600.0) -> a
     ``timeout`` seconds for any one read, 30 s at most to connect. Call it on the running
     event loop; ``async with`` closes it.
     """
-    connector = aiohttp.TCPConnector(limit=max_connections or 0, limit_per_host=0)
+    connector = aiohttp.TCPConnector(limit=max_connections or 0)
     return aiohttp.ClientSession(
         connector=connector, trust_env=False,
         timeout=aiohttp.ClientTimeout(total=None, sock_read=timeout, connect=min(timeout, 30.0)))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from inflight.bench.client import HTTP_ERRORS
+
 # First name found wins. KV usage is a fraction in [0, 1] for all of them (vLLM's "perc"
 # gauges are fractions despite the name).
 SERIES: dict[str, tuple[str, ...]] = {
@@ -84,7 +86,7 @@ class Scraper:
                                         timeout=aiohttp.ClientTimeout(total=self._timeout)) as resp:
                 resp.raise_for_status()
                 snap = parse_metrics(await resp.text())
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+        except (*HTTP_ERRORS, ValueError):
             self.available = False
             return None
         self.available = True

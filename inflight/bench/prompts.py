@@ -23,6 +23,8 @@ from typing import Protocol, Sequence
 
 import aiohttp
 
+from inflight.bench.client import HTTP_ERRORS
+
 # Words that are a single token in every BPE/SentencePiece vocabulary we know of when
 # preceded by a space, so appending one moves the count by exactly one.
 _FILLERS = ("a", "the", "and", "of", "to", "I", "in", "it")
@@ -107,7 +109,7 @@ async def probe_server_counter(client: aiohttp.ClientSession, base_url: str, mod
     counter = ServerCounter(client, base_url, model, headers)
     try:
         n = await counter.count("hello world")
-    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+    except (*HTTP_ERRORS, ValueError, KeyError, TypeError):
         return None
     return counter if n > 0 else None
 

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from inflight.bench.client import RequestRecord, auth_headers, build_payload, endpoint_path, stream_request
+from inflight.bench.client import (HTTP_ERRORS, RequestRecord, auth_headers, build_payload, endpoint_path,
+                                   stream_request)
 from inflight.bench.conversations import ConversationLog
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs, trace_length
 from inflight.bench.metrics_scrape import Scraper, Snapshot, counter_deltas
@@ -180,7 +181,7 @@ async def _server_models(client: aiohttp.ClientSession, base_url: str, headers: 
     except aiohttp.ClientConnectorError as e:
         raise RuntimeError(f"cannot connect to {base_url}: {e}; is the server running "
                            f"(see --base-url)?") from None
-    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+    except (*HTTP_ERRORS, ValueError, AttributeError):
         return []
 
 
@@ -236,7 +237,7 @@ async def reset_prefix_cache(session: Session) -> bool:
         async with session.client.post(url, headers=session.headers,
                                        timeout=aiohttp.ClientTimeout(total=30.0)) as r:
             status = r.status
-    except (aiohttp.ClientError, TimeoutError) as e:
+    except HTTP_ERRORS as e:
         logger.warning("reset_prefix_cache failed: %s", e)
         return False
     if status != 200:

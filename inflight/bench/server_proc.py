@@ -24,6 +24,8 @@ import time
 
 import aiohttp
 
+from inflight.bench.client import HTTP_ERRORS, make_client
+
 _RUNNING: set["ServerProcess"] = set()
 _PR_SET_PDEATHSIG = 1
 
@@ -62,11 +64,11 @@ class ServerProcess:
             async with client.get(self.base_url + "/health",
                                   timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+        except HTTP_ERRORS:
             return False
 
     async def start(self) -> None:
-        async with aiohttp.ClientSession(trust_env=False) as client:
+        async with make_client() as client:
             if await self._healthy(client):
                 # Benchmarking a server we did not start would credit the wrong knob value.
                 raise RuntimeError(f"a server already answers at {self.base_url}; stop it or change --base-url")

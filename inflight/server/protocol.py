@@ -23,6 +23,9 @@ from inflight.request import RequestOptions
 # A cap on ``n`` so one request cannot queue an unbounded number of sequences.
 MAX_N = 128
 MAX_LOGPROBS = 20
+# OpenAI's legacy completions, and vLLM's, generate 16 tokens when the body leaves
+# ``max_tokens`` out (``serving.completion_max_tokens`` applies it).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 # Value ranges are declared here so /openapi.json says what the server accepts (a client or
@@ -181,7 +184,7 @@ class CompletionRequest(SamplingRequest):
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: Annotated[int, Field(ge=0, json_schema_extra={MAX_TOKENS_MARK: True})] | None = \
-        Field(16, description="output tokens per choice; left out: 16 (OpenAI's and vLLM's "
+        Field(COMPLETION_DEFAULT_MAX_TOKENS, description="output tokens per choice; left out: 16 (OpenAI's and vLLM's "
                                 "default); null: up to max_model_len; 0 only with echo "
                                 "(scoring the prompt)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

@@ -23,18 +23,13 @@ from inflight.server.generation import (Generation, ServerContext, build_samplin
                                         encode, reserve)
 from inflight.server.logprobs import (chat_logprobs, completion_logprobs, echo_logprobs,
                                       prompt_logprobs)
-from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from inflight.server.structured import check_structured_outputs
 from inflight.server.tools import plan_tools, template_tool_call
 from inflight.tokenizer import ChatTemplateError
 
 
 # --- completions --------------------------------------------------------------------------
-# OpenAI's legacy completions, and vLLM's, generate 16 tokens when the body leaves
-# ``max_tokens`` out; an explicit ``null`` asks for the rest of the context.
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-
-
 def completion_max_tokens(ctx: ServerContext, req: CompletionRequest, prompt_len: int) -> int | None:
     """The tokens to generate for a ``prompt_len``-token prompt: the body's ``max_tokens``
     (0, scoring with ``echo``, generates one token that is then dropped, as vLLM does;
