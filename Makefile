@@ -20,10 +20,12 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 install: $(BIN)/.installed
 
-# Types first (seconds; pyproject.toml says what is strict), then the suite.
+# Types first (seconds; pyproject.toml says what is strict), then the suite, then its
+# instruction-set-sensitive tests on the other CPU path where this host can emulate it.
 test: install
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python tests/isa_paths.py
 
 serve: install
 	$(BIN)/inflight serve $(ARGS)

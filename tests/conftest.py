@@ -1,7 +1,9 @@
-"""Shared fixtures: fake runner for torch-free engine tests, the bundled model path."""
+"""Shared fixtures: fake runner for torch-free engine tests, the bundled model path; the
+``isa`` mark on the tests whose numbers depend on the CPU's instruction-set path."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,34 @@ def require_data(name: str) -> Path:
         pytest.skip(f"{path} not found: put the shared data folder next to the checkout "
                     f"or set INFLIGHT_DATA_DIR")
     return path
+
+
+# Kernels, model numerics and greedy texts: their results depend on which instruction set
+# oneDNN and the int8 kernel use (AMX tiles or AVX-512), so `make test` runs them a second
+# time under the other path where this host can emulate it (tests/isa_paths.py).
+ISA_SENSITIVE = ("tests/model/", "tests/e2e/")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(str(config.rootpath))
+    for item in items:
+        rel = Path(str(item.path)).relative_to(root).as_posix()
+        if rel.startswith(ISA_SENSITIVE):
+            item.add_marker(pytest.mark.isa)
+
+
+def pytest_report_header(config):
+    """Which instruction-set path this run's numerics take (issue 29: a bound tuned on one
+    path failed on the other)."""
+    try:
+        from inflight.model.kernels import onednn_has_amx
+        amx = onednn_has_amx()
+    except Exception as e:  # noqa: BLE001 - a header must not stop the run
+        return f"cpu path: unknown ({type(e).__name__})"
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL")
+    return (f"cpu path: oneDNN {'with' if amx else 'without'} AMX tiles (ONEDNN_MAX_CPU_ISA={cap}, "
+            f"INFLIGHT_CPU_AMX={os.environ.get('INFLIGHT_CPU_AMX', '1')}); prompt rows of "
+            f"quantized layers on {'oneDNN' if amx else 'the int8 blocks'}")
 
 
 class FakeRunner:

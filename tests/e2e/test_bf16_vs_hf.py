@@ -5,11 +5,13 @@ bfloat16 keeps 8 mantissa bits, and we round activations at other points than HF
 where two logits nearly tie. What must hold, and what these tests check, on the bundled
 model and the first turn of MT-Bench's 8 categories:
 
-- teacher forcing (both fed HF float32's greedy tokens, so every position sees the same
-  prefix): top-1 agreement with HF's bfloat16 at >= 95 % of positions, every disagreement
-  at a near-tie of HF's bfloat16 logits, and logits within 10 % of their scale;
+- teacher forcing (fed HF float32's greedy tokens, so every position sees the same
+  prefix), against HF float32's logits: our bfloat16 is no farther from them than HF's
+  own bfloat16, position by position, beyond chance; every greedy flip sits at a margin
+  the measured rounding noise reaches, and there are no more flips than that noise makes
+  (``tests/e2e/agreement.py``: bounds taken from the run, not tuned on one host);
 - greedy decoding equals HF float32's where HF's bfloat16 does too, up to the first
-  position where HF float32's best two logits are within a bfloat16 rounding of each other.
+  position where HF float32's best two logits are within that noise's reach.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ from inflight.engine import Engine
 from inflight.runner import ModelRunner
 from inflight.sampler import Sampler
 from inflight.sampling_params import SamplingParams
+from tests.e2e.agreement import (assert_error_no_larger, assert_flip_count,
+                                 assert_flips_at_near_ties, compare)
 from tests.e2e.conftest import run
 
 NUM_TOKENS = 32
-# A logit of 16-32 moves in steps of 0.125 in bfloat16; a few steps decide nothing.
+# A logit of 16-32 moves in steps of 0.125 in bfloat16; a few steps decide nothing. (Used
+# where two runs of one path differ by a step's shape; between two paths the noise's reach
+# is measured: agreement.Agreement.tie_reach.)
 NEAR_TIE = 0.5
 
 
@@ -53,7 +59,7 @@ class ForcedRunner(ModelRunner):
 @pytest.fixture(scope="module")
 def references(bundled, hf_reference, chat_prompts):
     """Per prompt: its ids, HF float32's and HF bfloat16's greedy sequences, HF bfloat16's
-    logits over the float32 sequence, and HF float32's top-2 margins along it."""
+    and HF float32's logits over the float32 sequence, and HF float32's top-2 margins."""
     tokenizer = bundled[2]
     hf16 = copy.deepcopy(hf_reference).to(torch.bfloat16)
     out = []
@@ -66,13 +72,17 @@ def references(bundled, hf_reference, chat_prompts):
             seq32 = hf_reference.generate(torch.tensor([ids]), **kwargs)[0].tolist()
             seq16 = hf16.generate(torch.tensor([ids]), **kwargs)[0].tolist()
             logits16 = hf16(torch.tensor([seq32])).logits[0].float()
-            top2 = hf_reference(torch.tensor([seq32])).logits[0].topk(2).values
-        out.append(dict(ids=ids, seq32=seq32, seq16=seq16, logits16=logits16,
+            logits32 = hf_reference(torch.tensor([seq32])).logits[0]
+            top2 = logits32.topk(2).values
+        out.append(dict(ids=ids, seq32=seq32, seq16=seq16, logits16=logits16, logits32=logits32,
                         margin32=(top2[:, 0] - top2[:, 1]).tolist()))
     return out
 
 
-def test_teacher_forced_logits_agree_with_hf_bfloat16(bundled, references):
+@pytest.fixture(scope="module")
+def forced_bf16(bundled, references):
+    """Our bfloat16 model teacher-forced on HF float32's sequences, against HF float32 at
+    the same positions: ``(ours, hf bfloat16, hf float32)`` logits by ``(request, pos)``."""
     config, models, tokenizer = bundled
     forced = {str(i): r["seq32"] for i, r in enumerate(references)}
     runner = ForcedRunner(models[torch.bfloat16], 512, 16, torch.bfloat16, Sampler(),
@@ -85,21 +95,25 @@ def test_teacher_forced_logits_agree_with_hf_bfloat16(bundled, references):
                                                              ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    positions = disagreements = 0
-    for i, r in enumerate(references):
-        for pos in range(len(r["ids"]) - 1, len(r["seq32"]) - 1):
-            ours, ref = runner.logits[(str(i), pos)], r["logits16"][pos]
-            positions += 1
-            assert (ours - ref).abs().max() <= 0.10 * ref.abs().max(), (i, pos)
-            if ours.argmax() != ref.argmax():
-                disagreements += 1
-                top2 = ref.topk(2).values
-                assert top2[0] - top2[1] < NEAR_TIE, (i, pos, top2.tolist())
-    assert positions == len(references) * NUM_TOKENS
-    assert disagreements <= 0.05 * positions
+    keys = [(str(i), pos) for i, r in enumerate(references)
+            for pos in range(len(r["ids"]) - 1, len(r["seq32"]) - 1)]
+    hf16 = {(i, pos): references[int(i)]["logits16"][pos] for i, pos in keys}
+    hf32 = {(i, pos): references[int(i)]["logits32"][pos] for i, pos in keys}
+    return {k: runner.logits[k] for k in keys}, hf16, hf32
 
 
-def test_greedy_equals_hf_where_hf_float32_and_bfloat16_agree(make_engine, references):
+def test_teacher_forced_logits_are_as_close_as_hf_bfloat16(forced_bf16, references):
+    ours, hf16, hf32 = forced_bf16
+    assert len(ours) == len(references) * NUM_TOKENS
+    assert_error_no_larger(ours, hf16, hf32)
+    agreement = compare(ours, hf32)
+    assert_flips_at_near_ties(agreement)
+    assert_flip_count(agreement)
+
+
+def test_greedy_equals_hf_where_hf_float32_and_bfloat16_agree(make_engine, references,
+                                                              forced_bf16):
+    reach = compare(forced_bf16[0], forced_bf16[2]).tie_reach
     agreeing = [r for r in references if r["seq32"] == r["seq16"]]
     assert len(agreeing) >= 2  # measured: 4 of the 8 prompts at 32 tokens
     outs = run(make_engine(dtype=torch.bfloat16), [r["ids"] for r in agreeing],
@@ -108,4 +122,4 @@ def test_greedy_equals_hf_where_hf_float32_and_bfloat16_agree(make_engine, refer
         ours, ref = out.outputs[0].token_ids, r["seq32"][len(r["ids"]):]
         first_diff = next((k for k in range(NUM_TOKENS) if ours[k] != ref[k]), None)
         if first_diff is not None:  # only where float32 itself nearly ties
-            assert r["margin32"][len(r["ids"]) - 1 + first_diff] < NEAR_TIE, first_diff
+            assert r["margin32"][len(r["ids"]) - 1 + first_diff] < reach, (first_diff, reach)
