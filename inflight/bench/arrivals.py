@@ -82,21 +82,26 @@ def make_offsets(n: int, process: str, rate: float = math.inf, burstiness: float
 
 
 def window_offsets(rate: float, process: str, burstiness: float, seed: int, warmup: float, duration: float,
-                   drain: float, min_requests: int = 1) -> tuple[list[float], float]:
-    """Offsets (s) of a windowed point and the window's end: arrivals at ``rate`` during
-    ``warmup`` s, then exactly ``max(round(rate x duration), min_requests)`` in the window
-    [warmup, end) (stretched beyond ``duration`` when ``min_requests`` needs it), then
-    ``drain`` s more at ``rate``. ValueError for a non-finite rate or the trace process."""
+                   drain: float, min_requests: int = 1, extensions: int = 0) -> tuple[list[float], list[float]]:
+    """Offsets (s) of a windowed point and the ends of its windows: arrivals at ``rate``
+    during ``warmup`` s, then exactly ``n = max(round(rate x duration), min_requests)`` in the
+    window [warmup, end) (stretched beyond ``duration`` when ``min_requests`` needs it), then
+    ``extensions`` more segments of the same span, each with exactly ``n`` arrivals (so a
+    window extended k times holds exactly (k + 1) n), then ``drain`` s more at ``rate``.
+    Returns the offsets and the ``1 + extensions`` window ends. ValueError for a non-finite
+    rate or the trace process."""
     if process == "trace" or not math.isfinite(rate) or rate <= 0:
         raise ValueError("window_offsets needs poisson, gamma or constant arrivals at a finite rate")
     n = max(int(round(rate * duration)), min_requests, 1)
     span = max(duration, n / rate)
-    rng_seeds = (seed, seed + 1_000_003, seed + 2_000_006)
-    before = np.cumsum(unit_gaps(int(rate * warmup * 2) + 8, process, burstiness, rng_seeds[0])) / rate
-    warm = sorted(warmup - t for t in before if t <= warmup)
-    g = unit_gaps(n + 1, process, burstiness, rng_seeds[1])
-    inside = (warmup + span * np.cumsum(g)[:-1] / g.sum()).tolist()
-    end = warmup + span
-    after = np.cumsum(unit_gaps(int(rate * drain * 2) + 8, process, burstiness, rng_seeds[2])) / rate
-    cool = [end + t for t in after if t < drain]
-    return [max(0.0, t) for t in warm] + inside + cool, end
+    before = np.cumsum(unit_gaps(int(rate * warmup * 2) + 8, process, burstiness, seed)) / rate
+    offsets = sorted(warmup - t for t in before if t <= warmup)
+    ends = []
+    for k in range(extensions + 1):
+        g = unit_gaps(n + 1, process, burstiness, seed + 1_000_003 * (1 + 2 * k))
+        begin = warmup + k * span
+        offsets += (begin + span * np.cumsum(g)[:-1] / g.sum()).tolist()
+        ends.append(begin + span)
+    after = np.cumsum(unit_gaps(int(rate * drain * 2) + 8, process, burstiness, seed + 2_000_006)) / rate
+    offsets += [ends[-1] + t for t in after if t < drain]
+    return [max(0.0, t) for t in offsets], ends

@@ -4,8 +4,10 @@ Load is a positive number where larger is harder: the request rate (requests/s),
 trace replay, ``1 / time_scale`` (so the answer is the smallest time scale that passes).
 
 Search (bracket, then bisect): measure the start load; double it while points pass (or
-halve it while they fail) until a pass and a fail bracket the limit; then bisect the bracket
-at its geometric mean until ``hi / lo <= 1 + tolerance``. The limit is the highest passing
+halve it while they fail), squaring the factor at each further step, until a pass and a
+fail bracket the limit; then bisect the bracket at its geometric mean until
+``hi / lo <= 1 + tolerance``. Started at a prediction (``bench capacity --calibrate``) the
+first step is ``1 + tolerance`` instead of 2, so a good prediction is verified in two points. The limit is the highest passing
 load measured; the lowest failing load above it bounds it from above. Latency grows steeply
 near saturation, so the geometric mean treats a bracket [1, 100] and [10, 1000] alike.
 
@@ -74,10 +76,18 @@ Measure = Callable[[float], Awaitable[PointOutcome]]
 
 
 async def search(measure: Measure, start: float, min_load: float, max_load: float,
-                 tolerance: float = 0.1, max_points: int = 16) -> SearchResult:
-    """Bracket then bisect the pass/fail boundary of ``measure`` over load (see module doc)."""
+                 tolerance: float = 0.1, max_points: int = 16, step: float = 2.0) -> SearchResult:
+    """Bracket then bisect the pass/fail boundary of ``measure`` over load (see module doc).
+
+    ``step``: the first bracketing step's factor (2: double or halve). Each further step
+    squares it, up to 2 (1.1, 1.21, 1.46, 2, 2, ...: a galloping search), so a start near
+    the boundary (a prediction) brackets it in two points, and one far off still reaches
+    it in a few.
+    """
     if not (0 < min_load <= start <= max_load):
         raise ValueError("need 0 < min_load <= start <= max_load")
+    if not step > 1:
+        raise ValueError("need step > 1")
     points: list[PointOutcome] = []
 
     async def probe(x: float) -> bool:
@@ -87,11 +97,12 @@ async def search(measure: Measure, start: float, min_load: float, max_load: floa
 
     lo: float | None = None
     hi: float | None = None
-    x = start
+    x, factor = start, step
     if await probe(x):
         lo = x
         while len(points) < max_points and lo < max_load:
-            x = min(lo * 2, max_load)
+            x = min(lo * factor, max_load)
+            factor = min(factor * factor, max(step, 2.0))
             if await probe(x):
                 lo = x
             else:
@@ -100,7 +111,8 @@ async def search(measure: Measure, start: float, min_load: float, max_load: floa
     else:
         hi = x
         while len(points) < max_points and hi > min_load:
-            x = max(hi / 2, min_load)
+            x = max(hi / factor, min_load)
+            factor = min(factor * factor, max(step, 2.0))
             if await probe(x):
                 lo = x
                 break

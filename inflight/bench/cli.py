@@ -244,8 +244,12 @@ def add_bench_parser(subparsers) -> None:
                                       "operating limit of each value, keep the best, move to the next "
                                       "knob; report the recommended configuration. Resumable.")
     tune.add_argument("--knob", action="append", required=True, metavar="NAME=V1,V2,...",
-                      help="a server flag and its values, e.g. max-num-seqs=8,16,32 (repeat for more "
-                           "knobs, tuned in the order given; on/off for a boolean flag)")
+                      help="a flag of the served command and its values, e.g. max-num-seqs=8,16,32, or "
+                           "parallel=8,16,32 for llama-server (repeat for more knobs, tuned in the order "
+                           "given; on/off for a boolean flag). It replaces the flag where the command has it, "
+                           "in any spelling: parallel and np both set llama-server's --parallel / -np "
+                           "(llama-server's and vLLM's short forms are known: np, c, b, ub, t, ngl, fa, "
+                           "ctk, ctv, cb, tp, pp, dp, ...); another short flag: --knob=-x=1,2")
     tune.add_argument("--report", metavar="DIR", default="tune-report",
                       help="report page, plots and the resumable state (default %(default)s)")
     tune.add_argument("--fresh", action="store_true", help="ignore saved points in --report and start over")
@@ -267,6 +271,19 @@ def _search_args(p: argparse.ArgumentParser) -> None:
                    help="hold each search's limit for a window of S s before reporting it; if it fails, "
                         "step down by 1 + tolerance and hold again (default 5 x --duration; 0: no hold)")
     g.add_argument("--max-holds", type=_count(0), default=3, help="holds per search, at most (default %(default)s)")
+    g.add_argument("--max-extensions", type=_count(0), default=2,
+                   help="a search point whose evidence is inconclusive (a p95 interval straddling its target, "
+                        "queue growth or throughput within noise of its tolerance) is extended by one "
+                        "--duration at a time, arrivals going on, at most this many times (default "
+                        "%(default)s; 0: one look, an inconclusive point fails)")
+    g.add_argument("--calibrate", action="store_true",
+                   help="predict, then verify: ramp the server to saturation with its --step-log on, fit a "
+                        "profile to its steps, simulate the search, start the real one at the prediction and "
+                        "verify around it (needs --serve-cmd 'inflight serve ...'; a fit that is poor or "
+                        "measured on a busy host is not used, and says so)")
+    g.add_argument("--on-busy-host", choices=("warn", "stop"), default="warn",
+                   help="other processes busy on this machine before the run (probed for 3 s): warn at once "
+                        "(default) or stop")
     g = p.add_argument_group("sustained load")
     g.add_argument("--preemption-threshold", type=float, default=DEFAULT_PREEMPTION_THRESHOLD,
                    help="fail a point above this many preemptions per completed request")

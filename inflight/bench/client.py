@@ -15,11 +15,21 @@ compiled, and the load generator shares the cores with the server it measures. S
 it spends about half of httpx's CPU per token (0.35-0.39 ms against 0.64-0.76 ms on the
 2-vCPU host of docs/performance.md), time a 1-stream run would otherwise take from the
 server's own step.
+
+A connection that fails before the server's status line arrived (the request body could not
+be written, the server closed a pooled keep-alive connection just as it was reused, or the
+connect failed) is the transport's failure, not the server's answer: the request is sent once
+more, on a connection of its own, and counted in ``RequestRecord.connection_retries``. aiohttp
+retries exactly these errors itself, once, but only for idempotent methods
+(``ClientSession._request``, after RFC 9112 section 9.3.1), never for a POST; vLLM's benchmark
+client does not retry and counts them as failed requests. Anything after the status line is
+the server's and fails the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -60,6 +70,9 @@ class RequestRecord:
     unfinished: bool = False  # a sample request the point ended before it finished
     cancelled: bool = False  # a cool-down request cancelled once the sample was done
     generated_text: str = ""  # the streamed text, joined (vLLM's generated_texts)
+    # Sent again because its connection failed before the status line (at most 1; its times
+    # are the retry's): not a failure, counted in the summary (stats.summarize).
+    connection_retries: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -149,6 +162,30 @@ class _SSE:
         return DONE if joined == DONE else json.loads(joined)
 
 
+def before_response(error: BaseException, status: int | None) -> bool:
+    """Whether ``error`` is a connection that failed before any status line came back
+    (``status`` is None): aiohttp's ``ClientOSError`` ("Can not write request body", a
+    refused or reset connect: ``ClientConnectorError``), ``ServerDisconnectedError`` before
+    the answer, ``ClientConnectionResetError``. Not a timeout (``ServerTimeoutError``),
+    which is the server's slowness, and nothing once the answer started."""
+    return (status is None and isinstance(error, aiohttp.ClientConnectionError)
+            and not isinstance(error, TimeoutError))
+
+
+@contextlib.asynccontextmanager
+async def fresh_connection(client: aiohttp.ClientSession) -> AsyncIterator[aiohttp.ClientSession]:
+    """A session of ``client``'s settings whose one request opens a new connection, closed
+    after it: aiohttp has no per-request way around its pool, and the idle connections a
+    server closed together (a keep-alive timeout) may not all be seen closed yet. A
+    stand-in for a session (the tests' scripted one) is used as it is."""
+    if not isinstance(client, aiohttp.ClientSession):
+        yield client
+        return
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=client.timeout,
+                                     trust_env=client.trust_env) as fresh:
+        yield fresh
+
+
 async def stream_request(client: aiohttp.ClientSession, url: str, payload: dict,
                          record: RequestRecord, headers: dict[str, str] | None = None,
                          timeout: float = 600.0, clock: Clock = time.perf_counter) -> RequestRecord:
@@ -157,23 +194,62 @@ async def stream_request(client: aiohttp.ClientSession, url: str, payload: dict,
     ``timeout`` bounds the whole request (s); a timeout, a connection error, a non-200
     status, an ``error`` event in the stream or a stream that ends without ``[DONE]`` or a
     ``finish_reason`` makes the request a failure (``record.error``); nothing is raised.
+    A connection that fails before the status line (:func:`before_response`) is retried
+    once on a new connection (``record.connection_retries``); ``send_time`` is then the
+    retry's, and ``timeout`` bounds the retry. A second such failure fails the request.
     """
-    record.send_time = clock()
-    try:
-        async with asyncio.timeout(timeout):
-            await _stream(client, url, payload, record, headers or {}, clock)
-    except TimeoutError:
-        record.error = f"timeout after {timeout:g} s"
-    except aiohttp.ClientError as e:
-        record.error = f"{type(e).__name__}: {e}"
-    except (ValueError, KeyError, TypeError) as e:  # malformed chunks (or not UTF-8)
-        record.error = f"bad stream: {type(e).__name__}: {e}"
+    for attempt in range(2):
+        record.send_time = clock()
+        try:
+            async with asyncio.timeout(timeout):
+                if attempt == 0:
+                    await _stream(client, url, payload, record, headers or {}, clock)
+                else:
+                    async with fresh_connection(client) as fresh:
+                        await _stream(fresh, url, payload, record, headers or {}, clock)
+        except TimeoutError:
+            record.error = f"timeout after {timeout:g} s"
+        except aiohttp.ClientError as e:
+            if attempt == 0 and before_response(e, record.status):
+                record.connection_retries += 1
+                continue
+            record.error = f"{type(e).__name__}: {e}"
+        except (ValueError, KeyError, TypeError) as e:  # malformed chunks (or not UTF-8)
+            record.error = f"bad stream: {type(e).__name__}: {e}"
+        break
     record.end_time = clock()
     if record.error:
         record.success = False
     if record.output_tokens is None:
         record.output_tokens = len(record.chunk_times)
     return record
+
+
+async def post_json(client: aiohttp.ClientSession, url: str, body: dict | None = None,
+                    headers: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, Any]:
+    """POST ``body`` as JSON to a side route (``/tokenize``, ``/reset_prefix_cache``); returns
+    the status and the answer parsed as JSON (None where it is not JSON). A connection that
+    fails before the status line is retried once, as a streamed request is.
+
+    Raises:
+        aiohttp.ClientError, TimeoutError: no answer (``HTTP_ERRORS``).
+    """
+    for attempt in range(2):
+        status: int | None = None
+        try:
+            async with client.post(url, json=body, headers=headers or {},
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                status = resp.status
+                raw = await resp.read()
+            break
+        except aiohttp.ClientError as e:
+            if attempt == 0 and before_response(e, status):
+                continue
+            raise
+    try:
+        return resp.status, json.loads(raw)
+    except ValueError:
+        return resp.status, None
 
 
 async def _stream(client: aiohttp.ClientSession, url: str, payload: dict, record: RequestRecord,

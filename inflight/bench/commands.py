@@ -18,7 +18,7 @@ from inflight.bench.datasets import DatasetConfig
 from inflight.bench.report import (format_summary, plot_capacity, plot_run, plot_sweep, point_row,
                                    write_csv, write_json)
 from inflight.bench.limit import SearchSpace, find_limit, limit_line
-from inflight.bench.machine import describe_machine
+from inflight.bench.machine import HostLoad, describe_machine, probe_host
 from inflight.bench.report_page import write_report
 from inflight.bench.runner import ArrivalConfig, LoadConfig, PointResult, Session, open_session, records_json, run_point
 from inflight.bench.server_proc import ServerProcess
@@ -130,9 +130,6 @@ def _note_session(session: Session) -> None:
               f"{sim.command or 'the profile'}; {len(session.specs)} requests prepared in "
               f"{session.prepare_seconds:.1f} s", file=sys.stderr)
         return
-    if session.tokenizer_mode == "approx-words":
-        print("note: prompt lengths are approximate (whitespace words): the server has no /tokenize "
-              "and no --tokenizer was given", file=sys.stderr)
     print(f"model {session.model} at {session.load.base_url} ({session.endpoint}); "
           f"{len(session.specs)} requests prepared in {session.prepare_seconds:.1f} s "
           f"(tokenizer: {session.tokenizer_mode})", file=sys.stderr)
@@ -322,7 +319,7 @@ def search_space(args, base: ArrivalConfig) -> SearchSpace:
         raise ValueError(f"--hold-duration {hold:g} s is not longer than a search window (--duration "
                          f"{base.duration:g} s): a hold would only repeat the search's point (0 turns holds off)")
     common = dict(tolerance=args.tolerance, max_points=args.max_points, repeats=args.repeats,
-                  hold_duration=hold or None, max_holds=args.max_holds)
+                  hold_duration=hold or None, max_holds=args.max_holds, max_extensions=args.max_extensions)
     if base.process == "trace":
         return SearchSpace(True, 1 / base.time_scale, 1 / args.time_scale_max, 1 / args.time_scale_min, **common)
     return SearchSpace(False, args.rate_start, args.rate_min, args.rate_max, **common)
@@ -334,14 +331,73 @@ def require_aggregate(slo: SLO) -> None:
 
 
 def connector(args, load: LoadConfig, dataset: DatasetConfig, stack: contextlib.AsyncExitStack,
-              command: str | None, value=None):
+              command: str | None, value=None, pids: list[int] | None = None):
     """A ``connect()`` for ``limit.find_limit``: start the server (``command``, if any) and
-    open the session on first use; ``stack`` closes both."""
+    open the session on first use; ``stack`` closes both. The host is probed first (what
+    else runs here: ``machine.probe_host``); a busy one is named at once, and with
+    ``--on-busy-host stop`` ends the run. ``pids`` receives the started server's pid."""
     async def connect() -> Session:
+        own: list[int] = []
         if command is not None and not getattr(args, "simulate", None):
-            await stack.enter_async_context(_server(args, command, value))
+            proc = await stack.enter_async_context(_server(args, command, value))
+            if proc.proc is not None:
+                own.append(proc.proc.pid)
+                if pids is not None:
+                    pids.append(proc.proc.pid)
+        if not getattr(args, "simulate", None):
+            await check_host(args, own)
         return await open_any_session(args, load, dataset, stack, command)
     return connect
+
+
+async def check_host(args, pids: list[int]) -> HostLoad | None:
+    """Probe the host for ``HOST_PROBE_S`` before measuring; say at once if it is busy.
+
+    Raises:
+        RuntimeError: busy, with ``--on-busy-host stop``.
+    """
+    host = await probe_host(HOST_PROBE_S, pids)
+    if host is None:
+        return None
+    if host.is_busy():
+        message = (f"the host is busy before the run: {host.describe()}. On a shared machine every step "
+                   f"slows with it, and the limit measured is this host's at this time, not the server's")
+        if getattr(args, "on_busy_host", "warn") == "stop":
+            raise RuntimeError(message + " (--on-busy-host stop)")
+        print(f"WARNING: {message}", file=sys.stderr)
+    else:
+        print(f"host: idle before the run ({host.describe()})", file=sys.stderr)
+    return host
+
+
+HOST_PROBE_S = 3.0
+
+
+def calibration(args, command: str | None, load: LoadConfig, dataset: DatasetConfig, base: ArrivalConfig,
+                slo: SLO, space: SearchSpace, th: Thresholds, value=None):
+    """``--calibrate``: the server command with ``--step-log`` added, the ``limit.Predict``
+    that ramps it, fits its steps and simulates the search, and the server pids it will
+    read (filled by ``connector``). ValueError where calibration cannot run."""
+    if getattr(args, "simulate", None):
+        raise ValueError("--calibrate measures a real server; --simulate has nothing to calibrate")
+    if not command:
+        raise ValueError("--calibrate needs --serve-cmd 'inflight serve ...': it adds --step-log to the "
+                         "server command to fit the server's own steps")
+    from inflight.sim.bench import parse_serve_command
+    from inflight.sim.calibrate import make_predictor
+
+    parse_serve_command(command)  # ValueError: not an inflight server
+    folder = args.report or args.server_log_dir
+    if folder is None:
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="inflight-calibrate-")
+    os.makedirs(folder, exist_ok=True)
+    step_log = os.path.join(folder, f"steps-{_safe(value or 'server')}.jsonl")
+    profile = os.path.join(folder, f"profile-{_safe(value or 'server')}.json")
+    command = f"{command} --step-log {shlex.quote(step_log)}"
+    pids: list[int] = []
+    predict = make_predictor(step_log, command, load, dataset, base, slo, space, th, pids, profile_out=profile)
+    return command, predict, pids
 
 
 async def capacity(args) -> int:
@@ -353,9 +409,11 @@ async def capacity(args) -> int:
     for value in _values(args):
         async with contextlib.AsyncExitStack() as stack:
             command = args.serve_cmd.replace("{value}", str(value)) if args.serve_cmd else None
-            res = await find_limit(connector(args, load, dataset, stack, command, value or "server"), base, slo,
-                                   space, th,
-                                   label=value)
+            predict, pids = None, None
+            if getattr(args, "calibrate", False):
+                command, predict, pids = calibration(args, command, load, dataset, base, slo, space, th, value)
+            res = await find_limit(connector(args, load, dataset, stack, command, value or "server", pids), base,
+                                   slo, space, th, label=value, predict=predict)
             res.command = command
         results.append(res)
         print(("SIMULATED " if args.simulate else "") + limit_line(res, space.by_scale))

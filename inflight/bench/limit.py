@@ -38,6 +38,8 @@ class SearchSpace:
     repeats: int = 1
     hold_duration: float | None = None  # s: hold each search's limit this long before reporting it
     max_holds: int = 3
+    max_extensions: int = 2  # an undecided search point's window grows this many times at most
+    hold_looks: int = 3  # a hold is judged at each third of its window; a conclusive failure ends it
 
     def x(self, load: float | None) -> float | None:
         """The load as the user set it: a rate, or a time scale."""
@@ -47,17 +49,44 @@ class SearchSpace:
         return f"time_scale={1 / load:.4g}" if self.by_scale else f"rate={load:.4g}"
 
     def arrival(self, base: ArrivalConfig, load: float, repeat: int, held: bool = False) -> ArrivalConfig:
-        """The point's arrivals; ``held``: the window ``hold_duration`` long, warm-up and
+        """The point's arrivals. A search point's window may be extended ``max_extensions``
+        times while undecided. ``held``: a window ``hold_duration`` long, judged at each of
+        ``hold_looks`` equal parts (it ends early only on a conclusive failure), warm-up and
         drain as the search's."""
-        extra = {}
+        extra: dict = {"max_extensions": self.max_extensions}
         if held:
             warm, drain = base.phases()
-            extra = {"duration": self.hold_duration, "warmup_duration": warm, "drain_timeout": drain}
+            assert self.hold_duration is not None
+            part = self.hold_duration / max(1, self.hold_looks)
+            extra = {"duration": part, "warmup_duration": warm, "drain_timeout": drain,
+                     "max_extensions": max(1, self.hold_looks) - 1, "extend_on_pass": True}
             if base.duration and base.min_requests:
                 # The sample grows with the window: a hold of 5 windows counts >= 5x the requests.
-                extra["min_requests"] = math.ceil(base.min_requests * self.hold_duration / base.duration)
+                extra["min_requests"] = math.ceil(base.min_requests * part / base.duration)
         return replace(base, seed=base.seed + repeat, **extra,
                        **({"time_scale": 1 / load} if self.by_scale else {"rate": load}))
+
+
+@dataclass
+class Prediction:
+    """The operating limit the simulator predicts from a profile fitted to this server's
+    own steps (``bench capacity --calibrate``; loads in search units: a rate or 1 / time
+    scale). ``usable`` is False when the fit or the host cannot be trusted: the search then
+    starts where it was told, and ``notes`` say why."""
+
+    limit: float | None
+    failed_above: float | None
+    usable: bool
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"limit": self.limit, "failed_above": self.failed_above, "usable": self.usable,
+                "notes": self.notes, "seconds": self.seconds, **self.details}
+
+
+Predict = Callable[[Session], Awaitable[Prediction]]
 
 
 @dataclass
@@ -72,6 +101,8 @@ class LimitResult:
     fixed: dict = field(default_factory=dict)
     command: str | None = None
     held: bool = False  # limits are loads that held for SearchSpace.hold_duration
+    prediction: Prediction | None = None
+    targets: dict = field(default_factory=dict)  # SLO key -> target (s), for the crossings
 
     @property
     def spread(self) -> dict:
@@ -89,7 +120,43 @@ class LimitResult:
     def to_json(self) -> dict:
         return {"value": self.label, "command": self.command, "limits": self.limits,
                 "failed_above": self.failed_above, "spread": self.spread, "bounded": self.bounded,
-                "held": self.held, "fixed": self.fixed, "curve": self.curve}
+                "held": self.held, "fixed": self.fixed, "curve": self.curve,
+                "crossings": crossings(self.curve, self.targets),
+                "prediction": None if self.prediction is None else self.prediction.to_json()}
+
+
+def crossings(curve: list[dict], targets: dict[str, float]) -> dict[str, dict]:
+    """Where each SLO statistic's estimate crosses its target along the search points (all
+    repeats, holds left out, by load): between the highest load whose estimate is within
+    the target and the next load measured above it, interpolated with the logarithm of the
+    estimate linear in load (latency grows about exponentially toward saturation). An
+    infinite estimate above puts the crossing at the pair's geometric mean. ``load`` is
+    None where the curve never crosses (``below`` or ``above`` the target at every load)."""
+    pts = sorted((p for p in curve if not p.get("held")), key=lambda p: p["load"])
+    out: dict[str, dict] = {}
+    for key, target in targets.items():
+        est = [(p["load"], p["x"], ((p.get("evidence") or {}).get("slo") or {}).get(key, {}).get("estimate"))
+               for p in pts]
+        est = [e for e in est if e[2] is not None]
+        under = [i for i, e in enumerate(est) if e[2] <= target]
+        if not est:
+            continue
+        if not under:
+            out[key] = {"load": None, "x": None, "where": "above the target at every load measured"}
+            continue
+        i = max(under)
+        if i == len(est) - 1:
+            out[key] = {"load": None, "x": None, "where": "within the target at every load measured"}
+            continue
+        (la, xa, ea), (lb, xb, eb) = est[i], est[i + 1]
+        if math.isinf(eb) or ea <= 0:
+            load = math.sqrt(la * lb)
+        else:
+            f = (math.log(target) - math.log(ea)) / max(math.log(eb) - math.log(ea), 1e-12)
+            load = la + min(max(f, 0.0), 1.0) * (lb - la)
+        x = 1 / load if xa != la else load  # a time scale where the search runs over 1 / scale
+        out[key] = {"load": load, "x": x, "between": [xa, xb], "target": target}
+    return out
 
 
 def best_point(result: dict) -> dict | None:
@@ -139,11 +206,13 @@ Connect = Callable[[], Awaitable[Session]]
 
 async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: SearchSpace,
                      thresholds: Thresholds, label: str | None = None, cache: PointCache | None = None,
-                     hold: bool = True, log=None) -> LimitResult:
+                     hold: bool = True, log=None, predict: Predict | None = None) -> LimitResult:
     """Search ``space.repeats`` times for the highest sustained load, each search's limit
     then held for ``space.hold_duration`` s (unless ``hold`` is False or it is unset; see
     ``capacity``). ``connect`` returns the session (starting the server where needed); it is
-    called only when a point is measured, not replayed from ``cache``.
+    called only when a point is measured, not replayed from ``cache``. ``predict``: first
+    predict the limit (``Prediction``); where usable, each search starts there and steps by
+    ``1 + tolerance`` (verify around it) instead of from ``space.start`` by doubling.
     """
     log = log or sys.stderr
     session: Session | None = None
@@ -159,7 +228,7 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
                 return outcome
             if session is None:
                 session = await connect()
-            point = await run_point(session, space.arrival(base, load, rep, held), slo)
+            point = await run_point(session, space.arrival(base, load, rep, held), slo, thresholds)
             fixed = session.fixed()  # after the point: the mix may have grown for it
             verdict = point.verdict(slo, thresholds)
             outcome = cap.PointOutcome(load, verdict.passed, verdict.reasons, point.summary, verdict.evidence,
@@ -170,11 +239,20 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
             return outcome
         return measure
 
+    prediction: Prediction | None = None
+    start, step = min(max(space.start, space.lo), space.hi), 2.0
+    if predict is not None:
+        if session is None:
+            session = await connect()
+        prediction = await predict(session)
+        _print_prediction(log, space, prediction)
+        if prediction.usable and prediction.limit is not None:
+            start, step = min(max(prediction.limit, space.lo), space.hi), 1 + space.tolerance
     holding = hold and bool(space.hold_duration)
     limits, above, curve, bounded = [], [], [], True
     for rep in range(space.repeats):
-        res = await cap.search(measure_with(rep, False), min(max(space.start, space.lo), space.hi),
-                               space.lo, space.hi, space.tolerance, space.max_points)
+        res = await cap.search(measure_with(rep, False), start, space.lo, space.hi, space.tolerance,
+                               space.max_points, step)
         limit, first_fail = res.limit, res.failed_above
         bounded &= res.bounded
         curve += [{**p.to_json(), "repeat": rep, "x": space.x(p.load), "held": False} for p in res.points]
@@ -188,7 +266,22 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
         above.append(space.x(first_fail))
     if not fixed and cache is not None:
         fixed = cache.fixed or {}
-    return LimitResult(label, limits, above, bounded, curve, fixed, held=holding)
+    return LimitResult(label, limits, above, bounded, curve, fixed, held=holding, prediction=prediction,
+                       targets={f"{m}_{st}": t for (m, st), t in slo.aggregate.items()})
+
+
+def _print_prediction(log, space: SearchSpace, p: Prediction) -> None:
+    unit = "time scale" if space.by_scale else "req/s"
+    if p.limit is None:
+        head = "no load met the SLO in the simulation"
+    else:
+        above = "" if p.failed_above is None else f" (fails at {space.x(p.failed_above):.4g})"
+        head = f"{space.x(p.limit):.4g} {unit}{above}"
+    use = "verifying around it" if p.usable else "NOT USED: searching as without --calibrate"
+    print(f"  predicted operating limit: {head}, in {p.seconds:.0f} s; {use}", file=log)
+    for note in p.notes:
+        print(f"      {note}", file=log)
+    log.flush()
 
 
 def _print_point(log, space: SearchSpace, load: float, p: cap.PointOutcome, cached: bool = False,
@@ -200,6 +293,11 @@ def _print_point(log, space: SearchSpace, load: float, p: cap.PointOutcome, cach
     if p.evidence:
         for line in evidence_lines(p.evidence):
             print(f"      {line}", file=log)
+        looks = p.evidence.get("looks") or []
+        if len(looks) > 1:
+            steps = [f"{lk['seconds']:.0f} s {lk['state']}"
+                     + (f" ({', '.join(lk['undecided'])})" if lk.get("undecided") else "") for lk in looks]
+            print(f"      looks: {' -> '.join(steps)}", file=log)
     log.flush()
 
 
@@ -232,5 +330,18 @@ def limit_line(res: LimitResult, by_scale: bool) -> str:
         edge = max(above) if by_scale else min(above)
         bracket = f"; failed at {edge:.4g}"
     held = " held" if res.held else " (searched, not held)"
-    return (f"{head}operating limit{held} {sp['mean']:.4g} {unit} (std {sp['std']:.3g}, min {sp['min']:.4g}, "
+    line = (f"{head}operating limit{held} {sp['mean']:.4g} {unit} (std {sp['std']:.3g}, min {sp['min']:.4g}, "
             f"max {sp['max']:.4g} over {sp['found']}/{sp['repeats']} repeats{bracket}){bound}")
+    cross = crossings(res.curve, res.targets)
+    parts = [f"{k} at {c['x']:.4g}" if c.get("x") is not None else f"{k} {c['where']}" for k, c in cross.items()]
+    if parts:
+        line += "; targets crossed: " + ", ".join(parts)
+    if res.prediction is not None and res.prediction.limit is not None:
+        line += (f"; predicted {space_x(res.prediction.limit, by_scale):.4g}"
+                 f"{'' if res.prediction.usable else ' (not used)'}")
+    return line
+
+
+def space_x(load: float, by_scale: bool) -> float:
+    """A search load as the user sees it (``SearchSpace.x``)."""
+    return 1 / load if by_scale else load

@@ -11,6 +11,9 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import time
+from dataclasses import dataclass
+from typing import Sequence
 
 
 def _cpu_model() -> str | None:
@@ -77,3 +80,99 @@ def describe_machine() -> dict:
     return {"time": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": _cpu_model(),
             "cores": os.cpu_count(), "memory_gib": _mem_total_gib(), "os": platform.platform(),
             "python": platform.python_version(), "loadavg": load, "cpu_ticks": cpu_ticks()}
+
+
+def _process_ticks(pid: int, tree: bool = True) -> int:
+    """User + system CPU ticks of ``pid`` and (``tree``) its descendants (``/proc``); 0
+    where gone."""
+    children: dict[int, list[int]] = {}
+    own: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command's ")": state, ppid, ... utime is field 14 of stat, index 11 here.
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        own[int(entry)] = int(fields[11]) + int(fields[12])
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += own.get(p, 0)
+        if tree:
+            todo += children.get(p, [])
+    return total
+
+
+@dataclass
+class HostLoad:
+    """CPU time on this machine over an interval that processes other than ours took:
+    ``others_cores`` (cores' worth, busy time minus this process's and ``pids``' trees) and
+    ``steal`` (the hypervisor's share of all cores). A step on a 2-core machine slows by
+    about half when another process holds one core, and a capacity measured then is that
+    host's at that time, not the server's."""
+
+    seconds: float
+    cores: int
+    others_cores: float
+    steal: float
+    busy: float
+
+    def is_busy(self, max_others: float = 0.2, max_steal: float = 0.05) -> bool:
+        """Other processes took more than ``max_others`` of a core, or the host more than
+        ``max_steal`` of the time (the defaults: noise on an idle VM stays well under both)."""
+        return self.others_cores > max_others or self.steal > max_steal
+
+    def describe(self) -> str:
+        return (f"other processes {self.others_cores:.2f} of {self.cores} cores, stolen {self.steal:.0%} "
+                f"(over {self.seconds:.0f} s)")
+
+    def to_json(self) -> dict:
+        return {"seconds": round(self.seconds, 2), "cores": self.cores, "others_cores": round(self.others_cores, 3),
+                "steal": round(self.steal, 4), "busy": round(self.busy, 4), "is_busy": self.is_busy()}
+
+
+class HostMonitor:
+    """Measures :class:`HostLoad` between ``start()`` and ``stop()``, counting this process
+    and the process trees of ``pids`` (a server it started) as ours; other children of
+    this process are not ours unless named."""
+
+    def __init__(self, pids: Sequence[int] = ()) -> None:
+        self.pids = list(pids)
+        self._t0 = 0.0
+        self._ticks: dict[str, int] | None = None
+        self._ours = 0
+
+    def _ours_now(self) -> int:
+        return _process_ticks(os.getpid(), tree=False) + sum(_process_ticks(p) for p in set(self.pids))
+
+    def start(self) -> "HostMonitor":
+        self._t0, self._ticks, self._ours = time.monotonic(), cpu_ticks(), self._ours_now()
+        return self
+
+    def stop(self) -> HostLoad | None:
+        """The load since ``start()``; None off Linux or when no time passed."""
+        end, ours = cpu_ticks(), self._ours_now()
+        if not self._ticks or not end:
+            return None
+        d = {k: end.get(k, 0) - self._ticks.get(k, 0) for k in _STAT_FIELDS}
+        total = sum(d.values())
+        if total <= 0:
+            return None
+        cores = os.cpu_count() or 1
+        busy = total - d["idle"] - d["iowait"] - d["steal"]
+        others = max(0, busy - (ours - self._ours))
+        return HostLoad(time.monotonic() - self._t0, cores, others / total * cores, d["steal"] / total,
+                        busy / total)
+
+
+async def probe_host(seconds: float = 3.0, pids: Sequence[int] = ()) -> HostLoad | None:
+    """:class:`HostLoad` over ``seconds`` of our own idleness: what else this machine runs."""
+    import asyncio
+
+    monitor = HostMonitor(pids).start()
+    await asyncio.sleep(seconds)
+    return monitor.stop()

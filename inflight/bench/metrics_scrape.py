@@ -67,7 +67,8 @@ def counter_deltas(before: Snapshot | None, after: Snapshot | None) -> dict[str,
 
 
 class Scraper:
-    """Polls ``GET {base_url}/metrics``; disables itself after the first failed scrape."""
+    """Polls ``GET {base_url}/metrics``; disables itself after the first failed scrape
+    (``why_not`` says why)."""
 
     def __init__(self, client: aiohttp.ClientSession, base_url: str, headers: dict[str, str] | None = None,
                  timeout: float = 5.0) -> None:
@@ -76,6 +77,7 @@ class Scraper:
         self._headers = headers or {}
         self._timeout = timeout
         self.available: bool | None = None  # unknown until the first scrape
+        self.why_not: str | None = None  # why the scrape that turned it off failed ("HTTP 501")
         self.samples: list[dict] = []
 
     async def scrape(self) -> Snapshot | None:
@@ -86,8 +88,11 @@ class Scraper:
                                         timeout=aiohttp.ClientTimeout(total=self._timeout)) as resp:
                 resp.raise_for_status()
                 snap = parse_metrics(await resp.text())
-        except (*HTTP_ERRORS, ValueError):
+        except (*HTTP_ERRORS, ValueError) as e:
+            # llama-server answers 501 without --metrics; other servers 404.
             self.available = False
+            self.why_not = (f"HTTP {e.status}" if isinstance(e, aiohttp.ClientResponseError)
+                            else f"{type(e).__name__}: {e}")
             return None
         self.available = True
         return snap

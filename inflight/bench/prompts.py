@@ -4,11 +4,16 @@ Trace replay needs prompts whose length, *as the server counts it*, equals the t
 prompt length. Three ways to count, tried in this order by ``make_counter(mode="auto")``:
 
 1. ``server``: the server's ``POST /tokenize`` (vLLM's shape: body ``{"model", "prompt"}``,
-   answer ``{"tokens": [...], "count": n}``). Counts include the special tokens the server
-   adds to a completion prompt (BOS), so they match ``usage.prompt_tokens``.
+   answer ``{"tokens": [...], "count": n}``; or llama.cpp's llama-server's, body
+   ``{"content", "add_special": true}``, answer ``{"tokens": [...]}``, tried when vLLM's
+   is refused or counts nothing). Counts include the special tokens the server adds to a
+   completion prompt (BOS), so they match ``usage.prompt_tokens``.
 2. ``local``: a Hugging Face tokenizer from ``--tokenizer PATH`` (a directory, or a ``.gguf``
    file whose tokenizer transformers reads with ``gguf_file=``).
 3. ``approx-words``: whitespace-separated words. Not exact; results say so.
+
+A server without a usable ``/tokenize`` is no error in ``auto`` mode: ``make_counter``
+falls back to 2, then 3, and says why in ``skipped`` (``"tokenize: HTTP 404"``).
 
 ``fit_prompt`` then finds, with a handful of counts, the longest run of source words whose
 text is at most the target and pads with one-token filler words to hit it exactly.
@@ -23,7 +28,7 @@ from typing import Protocol, Sequence
 
 import aiohttp
 
-from inflight.bench.client import HTTP_ERRORS
+from inflight.bench.client import HTTP_ERRORS, post_json
 
 # Words that are a single token in every BPE/SentencePiece vocabulary we know of when
 # preceded by a space, so appending one moves the count by exactly one.
@@ -63,32 +68,57 @@ class LocalCounter:
         return len(self._tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
+class TokenizeError(RuntimeError):
+    """``/tokenize`` answered, but not with a count (``status``: its HTTP status)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ServerCounter:
-    """The server's own tokenizer through ``POST /tokenize`` (vLLM's request/response shape)."""
+    """The server's own tokenizer through ``POST /tokenize``: ``shape`` "vllm" (body
+    ``{"model", "prompt"}``, inflight's and vLLM's) or "llama.cpp" (``{"content",
+    "add_special": true}``, llama-server's: its completions add BOS, and so must the count)."""
 
     mode = "server"
     exact = True
 
     def __init__(self, client: aiohttp.ClientSession, base_url: str, model: str | None,
-                 headers: dict[str, str] | None = None, max_parallel: int = 8) -> None:
+                 headers: dict[str, str] | None = None, max_parallel: int = 8, shape: str = "vllm") -> None:
         self._client = client
         self._url = base_url.rstrip("/") + "/tokenize"
         self._model = model
         self._headers = headers or {}
+        self.shape = shape
         # Tokenizing runs before the timed run but still shares the server; keep it polite.
         self._sem = asyncio.Semaphore(max_parallel)
 
-    async def count(self, text: str) -> int:
+    def _body(self, text: str) -> dict:
+        if self.shape == "llama.cpp":
+            return {"content": text, "add_special": True}
         body: dict = {"prompt": text}
         if self._model:
             body["model"] = self._model
-        async with self._sem, self._client.post(self._url, json=body, headers=self._headers,
-                                                timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
-            resp.raise_for_status()
-            data = await resp.json(content_type=None)
-        if "count" in data:
-            return int(data["count"])
-        return len(data["tokens"])
+        return body
+
+    async def count(self, text: str) -> int:
+        """The tokens of ``text`` as the server counts them.
+
+        Raises:
+            TokenizeError: an answer that is not 200 or carries no count.
+            aiohttp.ClientError, TimeoutError: no answer.
+        """
+        async with self._sem:
+            status, data = await post_json(self._client, self._url, self._body(text), self._headers)
+        if status != 200:
+            raise TokenizeError(f"HTTP {status}", status)
+        if isinstance(data, dict):
+            if isinstance(data.get("count"), int):
+                return data["count"]
+            if isinstance(data.get("tokens"), list):
+                return len(data["tokens"])
+        raise TokenizeError(f"answered {str(data)[:80]!r}, not a count", status)
 
 
 def load_local_tokenizer(path: str | pathlib.Path) -> LocalCounter:
@@ -103,31 +133,56 @@ def load_local_tokenizer(path: str | pathlib.Path) -> LocalCounter:
     return LocalCounter(tok, str(p))
 
 
+# Statuses of a server without the route (or the method) at all.
+MISSING_ROUTE = (404, 405, 501)
+
+
+async def find_server_counter(client: aiohttp.ClientSession, base_url: str, model: str | None,
+                              headers: dict[str, str] | None = None) -> tuple[ServerCounter | None, str]:
+    """A ServerCounter for the first body shape ``/tokenize`` counts with ("vllm", then
+    "llama.cpp"), or None and why not (``"HTTP 404"``, ``"ClientConnectorError: ..."``,
+    what it answered instead of a count)."""
+    why = ""
+    for shape in ("vllm", "llama.cpp"):
+        counter = ServerCounter(client, base_url, model, headers, shape=shape)
+        try:
+            n = await counter.count("hello world")
+        except TokenizeError as e:
+            why = why or str(e)
+            if e.status in MISSING_ROUTE:
+                break  # the route itself is missing: no other body will do
+            continue
+        except HTTP_ERRORS as e:
+            return None, f"{type(e).__name__}: {e}"
+        if n > 0:
+            return counter, ""
+        why = why or "counted 0 tokens"  # llama-server's answer to vLLM's body: {"tokens": []}
+    return None, why
+
+
 async def probe_server_counter(client: aiohttp.ClientSession, base_url: str, model: str | None,
                                headers: dict[str, str] | None = None) -> ServerCounter | None:
     """A ServerCounter if ``/tokenize`` answers sensibly, else None (404, error, odd shape)."""
-    counter = ServerCounter(client, base_url, model, headers)
-    try:
-        n = await counter.count("hello world")
-    except (*HTTP_ERRORS, ValueError, KeyError, TypeError):
-        return None
-    return counter if n > 0 else None
+    return (await find_server_counter(client, base_url, model, headers))[0]
 
 
 async def make_counter(mode: str, client: aiohttp.ClientSession, base_url: str, model: str | None,
-                       tokenizer_path: str | None, headers: dict[str, str] | None = None
-                       ) -> TokenCounter:
+                       tokenizer_path: str | None, headers: dict[str, str] | None = None,
+                       skipped: list[str] | None = None) -> TokenCounter:
     """Pick the counter for ``mode`` in {"auto", "server", "local", "approx"}.
 
-    ``auto`` prefers the server (it is the ground truth), then ``--tokenizer``, then words.
+    ``auto`` prefers the server (it is the ground truth), then ``--tokenizer``, then words;
+    where the server cannot count, ``"tokenize: WHY"`` is appended to ``skipped``.
     An explicit mode that cannot be satisfied raises ``RuntimeError``.
     """
     if mode in ("auto", "server"):
-        counter = await probe_server_counter(client, base_url, model, headers)
+        counter, why = await find_server_counter(client, base_url, model, headers)
         if counter is not None:
             return counter
         if mode == "server":
-            raise RuntimeError(f"{base_url}/tokenize is not available")
+            raise RuntimeError(f"{base_url}/tokenize is not available ({why})")
+        if skipped is not None:
+            skipped.append(f"tokenize: {why}")
     if mode in ("auto", "local") and tokenizer_path:
         return load_local_tokenizer(tokenizer_path)
     if mode == "local":

@@ -47,6 +47,7 @@ def format_summary(summary: dict, title: str = "inflight bench serve") -> str:
     rows = [
         ("Successful requests", _fmt(summary["completed"])),
         ("Failed requests", _fmt(summary["failed"])),
+        ("Connection retries (not failures)", _fmt(summary.get("connection_retries", 0))),
         ("Duration (s)", _fmt(summary["duration"])),
         ("Peak concurrency", _fmt(summary["peak_concurrency"])),
         ("Total input tokens", _fmt(summary["total_input_tokens"])),

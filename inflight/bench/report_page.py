@@ -283,6 +283,38 @@ def _no_limit_lines(res: dict | None, by_scale: bool) -> list[str]:
             "load held; hold lower (`--max-holds`) or measure on a quieter machine (see Machine).", ""]
 
 
+def _bracket_lines(res: dict, by_scale: bool) -> list[str]:
+    """The limit as a bracket, where each target is crossed, and the prediction beside it."""
+    unit = "time scale" if by_scale else "req/s"
+    out = []
+    above = [a for a in res.get("failed_above", []) if a is not None]
+    lows = [x for x in res.get("limits", []) if x is not None]
+    if lows and above:
+        lo, hi = (max(lows), max(above)) if by_scale else (min(lows), min(above))
+        out.append(f"- bracket: sustained at {lo:.4g}, not at {hi:.4g} {unit} (the limit is the lower end; "
+                   f"the width is the search's --tolerance)")
+    for key, c in (res.get("crossings") or {}).items():
+        if c.get("x") is not None:
+            out.append(f"- {key} crosses its target ({_s(c['target'])} s) at about {c['x']:.4g} {unit} "
+                       f"(interpolated between {c['between'][0]:.4g} and {c['between'][1]:.4g})")
+        else:
+            out.append(f"- {key}: {c['where']}")
+    pred = res.get("prediction")
+    if pred:
+        x = pred.get("limit")
+        xs = "none" if x is None else f"{(1 / x if by_scale else x):.4g} {unit}"
+        use = "used as the search's start" if pred.get("usable") else "not used: " + "; ".join(pred.get("notes", []))
+        ramp = pred.get("ramp") or {}
+        out.append(f"- predicted by the simulator from this server's own steps (`--calibrate`): {xs}, in "
+                   f"{pred.get('seconds', 0):.0f} s including a {ramp.get('seconds', 0):.0f} s ramp ({use})")
+    extended = [p for p in res.get("curve", []) if len((p.get("evidence") or {}).get("looks") or []) > 1
+                and not p.get("held")]
+    if extended:
+        out.append(f"- {len(extended)} search point(s) were inconclusive at first and judged over a longer window "
+                   "(see Every point)")
+    return out + ([""] if out else [])
+
+
 def _held_seconds(res: dict) -> float:
     holds = [p for p in res["curve"] if p.get("held")]
     return max((p["evidence"]["window"]["seconds"] for p in holds), default=0.0)
@@ -296,6 +328,9 @@ def _points_table(name: str, values) -> list[str]:
             ev = p["evidence"]
             slo = "; ".join(f"{k} {_iv(iv)}" for k, iv in (ev.get("slo") or {}).items())
             verdict = "pass" if p["passed"] else "fail: " + "; ".join(p["reasons"])
+            looks = ev.get("looks") or []
+            if len(looks) > 1:
+                verdict += " (looks: " + " -> ".join(f"{lk['seconds']:.0f} s {lk['state']}" for lk in looks) + ")"
             kind = f"hold {ev['window']['seconds']:.0f} s" if p.get("held") else "search"
             out.append(f"| {value} | {p['repeat']} | {kind} | {_s(p['x'], 4)} | {_s(ev.get('offered_rate'))} "
                        f"| {_s(ev.get('completed_rate'))} | {ev['queue']['growth']:+.1f} "
@@ -330,6 +365,7 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
                   f"min {sp['min']:.4g}, max {sp['max']:.4g}"
                   + (f"; the next load up failed at {(max(above) if by_scale else min(above)):.4g}" if above else
                      "; not bounded: the highest load tried passed") + ").", ""]
+        lines += _bracket_lines(best, by_scale)
         if best.get("command"):
             lines += ["Configuration:", "", "```", best["command"], "```", ""]
     else:
@@ -361,7 +397,10 @@ def write_report(out_dir, doc: dict) -> pathlib.Path:
               f"- completed >= {th.get('rate_tolerance')} x offered over the window; in-flight growth over the "
               f"window's second half <= {th.get('queue_tolerance')} x its arrivals plus {th.get('noise_z')} "
               f"standard errors of the fitted growth; no failures; <= {th.get('preemption_threshold')} "
-              "preemptions per request"]
+              "preemptions per request",
+              f"- a point fails only on conclusive evidence (a statistic {th.get('fail_z', 4)} standard errors past "
+              "its tolerance, an interval wholly above its target); an inconclusive one is extended by a window at "
+              "a time, and at its last look fails as with one look"]
     if best is not None and best.get("held"):
         lines.append(f"- the search's limit is then held for {_held_seconds(best):.0f} s, by the same rules; a failed "
                      "hold steps the load down by the search's tolerance and holds again")

@@ -8,6 +8,7 @@ schedule and returns the records, the summary and the scraped server metrics.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import time
@@ -17,14 +18,14 @@ from typing import Any, Sequence
 import aiohttp
 
 from inflight.bench.client import (HTTP_ERRORS, RequestRecord, auth_headers, build_payload, endpoint_path,
-                                   stream_request)
+                                   post_json, stream_request)
 from inflight.bench.conversations import ConversationLog
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs, trace_length
 from inflight.bench.metrics_scrape import Scraper, Snapshot, counter_deltas
-from inflight.bench.prompts import TokenCounter, make_counter
+from inflight.bench.prompts import MISSING_ROUTE, TokenCounter, make_counter
 from inflight.bench.stats import SLO, summarize
 from inflight.bench.schedule import plan_point
-from inflight.bench.sustain import Thresholds, Verdict, Window, judge
+from inflight.bench.sustain import PASS, UNDECIDED, Thresholds, Verdict, Window, judge
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class ArrivalConfig:
     warmup_duration: float | None = None  # s of uncounted arrivals before the window; None: duration / 6
     drain_timeout: float | None = None  # s after the window for the sample to end; None: duration / 2
     min_requests: int = 0  # the window stretches until at least this many requests arrived in it
+    max_extensions: int = 0  # an undecided point's window grows by its span up to this many times
+    extend_on_pass: bool = False  # a passing look goes on too: only a failure ends it early (a hold)
 
     def describe(self) -> dict:
         d = dict(self.__dict__)
@@ -99,6 +102,9 @@ class Session:
     counter: TokenCounter | None = None
     warmed_up: bool = False
     simulation: Any = None
+    # Optional routes the server lacks, skipped ("tokenize: HTTP 404", "reset_prefix_cache:
+    # HTTP 404", "metrics: HTTP 501"): the run goes on without them (open_session).
+    skipped: list[str] = field(default_factory=list)
 
     async def ensure_specs(self, n: int) -> int:
         """Extend the mix to at least ``n`` requests (new ones continue the dataset's
@@ -130,6 +136,7 @@ class Session:
             "dataset": self.dataset.describe(),
             "lengths": summarize_specs(self.specs),
             "tokenizer": self.tokenizer_mode,
+            "skipped": list(self.skipped),
             "temperature": self.load.temperature,
             "extra_body": self.load.extra_body,
             "length_samples": {"prompt_len": [s.prompt_len for s in self.specs],
@@ -152,7 +159,8 @@ class PointResult:
     metrics_before: Snapshot | None
     metrics_after: Snapshot | None
     started_at: float  # time.time() at t = 0
-    window: Window | None = None
+    window: Window | None = None  # the look that decided the point (the last one run)
+    looks: list[dict] = field(default_factory=list)  # the earlier looks' verdicts (look_summary)
 
     @property
     def counters(self) -> dict[str, float]:
@@ -169,7 +177,9 @@ class PointResult:
         """Whether this windowed point's load was sustained within ``slo`` (sustain.judge)."""
         if self.window is None:
             raise ValueError("a point without a measurement window (--duration) has no verdict")
-        return judge(self.records, self.window, slo, self.preemptions, thresholds, self.metrics_samples)
+        verdict = judge(self.records, self.window, slo, self.preemptions, thresholds, self.metrics_samples)
+        verdict.evidence["looks"] = [*self.looks, look_summary(verdict, self.window)]
+        return verdict
 
 
 async def _server_models(client: aiohttp.ClientSession, base_url: str, headers: dict) -> list[dict]:
@@ -188,6 +198,11 @@ async def _server_models(client: aiohttp.ClientSession, base_url: str, headers: 
 async def open_session(load: LoadConfig, dataset: DatasetConfig, client: aiohttp.ClientSession) -> Session:
     """Ask the server what it serves, pick the token counter, build the request mix.
 
+    Routes beyond the OpenAI API are optional: a server without ``/tokenize`` (or with
+    another body than vLLM's and llama.cpp's) gets prompts counted by ``--tokenizer``, else
+    approximately (whitespace words); without ``/metrics``, no server gauges. What was
+    skipped goes in ``Session.skipped`` (and ``fixed()``), said in one warning line.
+    (``/reset_prefix_cache`` is found missing at the first point: ``reset_prefix_cache``.)
     ``client`` (see :func:`inflight.bench.client.make_client`) stays the caller's to close.
     """
     t = time.perf_counter()
@@ -197,15 +212,34 @@ async def open_session(load: LoadConfig, dataset: DatasetConfig, client: aiohttp
     if not model:
         raise RuntimeError(f"no --model given and {load.base_url}/v1/models lists none")
     endpoint = load.endpoint or ("chat" if dataset.name == "chat" else "completions")
+    skipped: list[str] = []
     counter = await make_counter(load.tokenize if dataset.name != "chat" else "approx", client,
-                                 load.base_url, model, load.tokenizer, headers)
+                                 load.base_url, model, load.tokenizer, headers, skipped)
     all_specs = await build_dataset(dataset, counter, dataset.num_prompts + load.num_warmups)
-    info = (await Scraper(client, load.base_url, headers).scrape()) if load.scrape_metrics else None
-    return Session(client=client, load=load, dataset=dataset, model=model, endpoint=endpoint,
-                   tokenizer_mode="none" if dataset.name == "chat" else counter.mode,
-                   specs=all_specs[load.num_warmups:], warmups=all_specs[: load.num_warmups],
-                   server_models=models, server_info=info.info if info else {},
-                   prepare_seconds=time.perf_counter() - t, counter=counter)
+    scraper = Scraper(client, load.base_url, headers)
+    info = (await scraper.scrape()) if load.scrape_metrics else None
+    if load.scrape_metrics and info is None:
+        skipped.append(f"metrics: {scraper.why_not}")
+    session = Session(client=client, load=load, dataset=dataset, model=model, endpoint=endpoint,
+                      tokenizer_mode="none" if dataset.name == "chat" else counter.mode,
+                      specs=all_specs[load.num_warmups:], warmups=all_specs[: load.num_warmups],
+                      server_models=models, server_info=info.info if info else {},
+                      prepare_seconds=time.perf_counter() - t, counter=counter, skipped=skipped)
+    if session.skipped:
+        logger.warning("%s lacks routes beyond the OpenAI API; skipped: %s", load.base_url,
+                       "; ".join(_skip_note(s, session) for s in session.skipped))
+    return session
+
+
+def _skip_note(skipped: str, session: Session) -> str:
+    """One ``Session.skipped`` entry, and what the run does without the route."""
+    if skipped.startswith("tokenize:"):
+        how = ("prompt lengths counted by --tokenizer" if session.tokenizer_mode == "local"
+               else "prompt lengths approximate (whitespace words; --tokenizer PATH makes them exact)")
+    else:
+        how = ("no server-side queue, KV-cache or preemption figures, and no wait for the server to be idle "
+               "before a point")
+    return f"/{skipped} ({how})"
 
 
 async def _send(session: Session, spec: RequestSpec, record: RequestRecord, clock) -> RequestRecord:
@@ -213,8 +247,13 @@ async def _send(session: Session, spec: RequestSpec, record: RequestRecord, cloc
     payload = build_payload(spec, session.endpoint, session.model, session.load.temperature,
                             session.load.extra_body)
     record.prompt_len, record.output_len = spec.prompt_len, spec.output_len
-    return await stream_request(session.client, url, payload, record, session.headers,
-                                session.load.request_timeout, clock)
+    await stream_request(session.client, url, payload, record, session.headers,
+                         session.load.request_timeout, clock)
+    if record.connection_retries:
+        # Counted (summary "connection_retries"), not a failure; said as it happens too.
+        logger.warning("request %d sent again on a new connection: the first failed before the server "
+                       "answered%s", record.index, f" (then: {record.error})" if record.error else "")
+    return record
 
 
 async def warm_up(session: Session) -> None:
@@ -231,32 +270,67 @@ async def warm_up(session: Session) -> None:
 
 async def reset_prefix_cache(session: Session) -> bool:
     """``POST /reset_prefix_cache`` (inflight's and vLLM's route) so the point starts with a
-    cold prefix cache. Returns False, with a warning, where the server lacks the route."""
+    cold prefix cache. Returns False where it was not reset. A server without the route
+    (404, 405, 501, or no connection for it) has it skipped from then on: recorded in
+    ``session.skipped`` and said in one warning. Another failure warns each time."""
+    entry = "reset_prefix_cache:"
+    if any(s.startswith(entry) for s in session.skipped):
+        return False
     url = session.load.base_url.rstrip("/") + "/reset_prefix_cache"
     try:
-        async with session.client.post(url, headers=session.headers,
-                                       timeout=aiohttp.ClientTimeout(total=30.0)) as r:
-            status = r.status
+        status, _ = await post_json(session.client, url, None, session.headers)
     except HTTP_ERRORS as e:
-        logger.warning("reset_prefix_cache failed: %s", e)
+        # No connection for the route (refused, or closed twice before an answer) is a
+        # missing route; a timeout is a busy server.
+        why = f"{type(e).__name__}: {e}"
+        missing = isinstance(e, aiohttp.ClientConnectionError) and not isinstance(e, TimeoutError)
+    else:
+        if status == 200:
+            return True
+        why, missing = f"HTTP {status}", status in MISSING_ROUTE
+    if not missing:
+        logger.warning("reset_prefix_cache: the server answered %s; the prefix cache was not reset", why)
         return False
-    if status != 200:
-        logger.warning("reset_prefix_cache: the server answered %d", status)
-        return False
-    return True
+    session.skipped.append(f"{entry} {why}")
+    logger.warning("%s lacks /reset_prefix_cache (%s); skipped from now on: the prefix cache is not reset "
+                   "between points", session.load.base_url, why)
+    return False
 
 
 async def wait_idle(session: Session, timeout: float = 30.0) -> None:
-    """Wait (bounded) until the server reports nothing running or waiting, if it reports."""
-    if not session.load.scrape_metrics:
-        return
-    scraper = Scraper(session.client, session.load.base_url, session.headers)
+    """Wait (bounded) until the server reports nothing running or waiting: from its
+    Prometheus gauges, else from llama-server's ``GET /slots`` (a slot ``is_processing``),
+    else not at all."""
     deadline = time.perf_counter() + timeout
+    scraper = Scraper(session.client, session.load.base_url, session.headers)
     while time.perf_counter() < deadline:
-        snap = await scraper.scrape()
-        if snap is None or not (snap.get("running") or snap.get("waiting")):
+        snap = await scraper.scrape() if session.load.scrape_metrics else None
+        if snap is not None:
+            busy = bool(snap.get("running") or snap.get("waiting"))
+        else:
+            slots = await _slots_busy(session)
+            if slots is None:
+                return
+            busy = slots
+        if not busy:
             return
         await asyncio.sleep(0.2)
+
+
+async def _slots_busy(session: Session) -> bool | None:
+    """Whether any of llama-server's slots is processing (``GET /slots``); None where the
+    server has no such route."""
+    try:
+        async with session.client.get(session.load.base_url.rstrip("/") + "/slots", headers=session.headers,
+                                      timeout=aiohttp.ClientTimeout(total=10.0)) as r:
+            if r.status != 200:
+                return None
+            slots = await r.json(content_type=None)
+    except (*HTTP_ERRORS, ValueError):
+        return None
+    if not isinstance(slots, list):
+        return None
+    return any(isinstance(s, dict) and s.get("is_processing") for s in slots)
 
 
 def mark_cancelled(record: RequestRecord, now: float) -> None:
@@ -281,7 +355,8 @@ def _settle(task: asyncio.Task, record: RequestRecord, now: float) -> None:
         record.error = f"{type(e).__name__}: {e}"
 
 
-async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None) -> PointResult:
+async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None,
+                    thresholds: Thresholds | None = None) -> PointResult:
     """Send the session's mix on ``arrival``'s schedule (``plan_point``); return every
     record, the summary over the sample, and the scraped server metrics.
 
@@ -291,11 +366,16 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
     sample request has ended; then the cool-down requests still running are cancelled
     (``cancelled``: the client disconnects, so the server aborts them). Sample requests
     still running at the window's deadline are cancelled too and marked ``unfinished``.
+    With ``arrival.max_extensions`` and aggregate SLOs, each window is judged as it ends
+    (``sustain.judge(final=False)``, with ``thresholds``): an undecided point goes on to
+    the next, longer window while arrivals continue; the point ends at the first decided
+    look or the last, and its records are phased by that look's window
+    (``PointResult.looks`` has every look's verdict).
     A simulated session (``--simulate``) replays the same schedule on the simulator.
     """
     if session.simulation is not None:
         from inflight.sim.bench import simulate_point
-        return await simulate_point(session, arrival, slo)
+        return await simulate_point(session, arrival, slo, thresholds)
     await warm_up(session)
     await wait_idle(session)
     if session.load.reset_prefix_cache:
@@ -304,7 +384,8 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
     scraper = Scraper(session.client, session.load.base_url, session.headers)
     before = await scraper.scrape() if session.load.scrape_metrics else None
     sem = asyncio.Semaphore(session.load.max_concurrency) if session.load.max_concurrency else None
-    bar = _progress(sum(1 for s in slots if s.phase == "sample"), session.load.progress)
+    first_end = window.end if window is not None else math.inf
+    bar = _progress(sum(1 for s in slots if s.phase == "sample" and s.offset < first_end), session.load.progress)
     stop = asyncio.Event()
     started_at, t0 = time.time(), time.perf_counter()
     clock = lambda: time.perf_counter() - t0  # noqa: E731
@@ -326,50 +407,66 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
                     await _send(session, sent, record, clock)
         finally:
             conversations.finish(turn, record.generated_text)
-        if bar is not None and record.phase == "sample":
+        if bar is not None and record.phase == "sample" and record.scheduled_time < first_end:
             bar.update(1)
         return record
 
     records: list[RequestRecord] = []
-    sample_tasks: list[asyncio.Task] = []
     tasks: list[asyncio.Task] = []  # every request's, in step with records
-    all_sample_sent = asyncio.Event()
+    looks = window.looks() if window is not None else []
+    longest = looks[-1] if looks else None
+    sent_past = [asyncio.Event() for _ in looks]  # every arrival before look k's end was sent
 
     async def sender() -> None:
-        last_sample = max((i for i, s in enumerate(slots) if s.phase == "sample"), default=-1)
         try:
             for i, slot in enumerate(slots):
+                for k, w in enumerate(looks):
+                    if slot.offset >= w.end:
+                        sent_past[k].set()
                 delay = slot.offset - clock()
-                if slot.phase == "cooldown" and sample_tasks and all(t.done() for t in sample_tasks):
+                if slot.phase == "cooldown" and _all_done(tasks, records, longest):
                     break
                 if delay > 0:
                     await asyncio.sleep(delay)
                 record = RequestRecord(i, slot.offset, warmup=slot.phase != "sample", phase=slot.phase)
                 records.append(record)
-                task = asyncio.create_task(one(record, slot.spec))
-                tasks.append(task)
-                if slot.phase == "sample":
-                    sample_tasks.append(task)
-                if i == last_sample:
-                    all_sample_sent.set()
+                tasks.append(asyncio.create_task(one(record, slot.spec)))
         finally:
-            all_sample_sent.set()  # whatever ends the sender, the waiter must not wait forever
+            for e in sent_past:  # whatever ends the sender, no look may wait forever
+                e.set()
 
     send_task = asyncio.create_task(sender())
+    history: list[dict] = []
     if window is None:
         await send_task
         await asyncio.gather(*tasks)
         ended = clock()
     else:
-        await all_sample_sent.wait()
-        left = window.deadline - clock()
-        if sample_tasks and left > 0:
-            await asyncio.wait(sample_tasks, timeout=left)
+        for k, w in enumerate(looks):
+            await sent_past[k].wait()
+            sample = [t for t, r in zip(tasks, records) if w.start <= r.scheduled_time < w.end]
+            left = w.deadline - clock()
+            if sample and left > 0:
+                await asyncio.wait(sample, timeout=left)
+            window = w
+            if k == len(looks) - 1 or slo is None or not slo.aggregate:
+                break
+            now = clock()
+            view = view_at(records, [t.done() for t in tasks], tasks, w, now)
+            verdict = judge(view, w, slo, None, thresholds, scraper.samples, final=False)
+            if not goes_on(verdict, arrival):
+                break
+            history.append(look_summary(verdict, w))
+            logger.info("undecided after a %.0f s window (%s): extending", w.seconds,
+                        ", ".join(verdict.evidence["undecided"]))
         ended = clock()
         send_task.cancel()
         for t in tasks:
             t.cancel()  # a no-op on finished tasks; cancels the unfinished and the cool-down
         await asyncio.gather(send_task, *tasks, return_exceptions=True)
+        for r in records:
+            r.phase = window.phase(r.scheduled_time)
+            r.warmup = r.phase != "sample"
     for task, record in zip(tasks, records):
         _settle(task, record, ended)
     stop.set()
@@ -380,12 +477,52 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
         bar.close()
     records.sort(key=lambda r: r.index)
     summary = summarize(records, slo)
-    result = PointResult(arrival, records, summary, scraper.samples, before, after, started_at, window)
+    result = PointResult(arrival, records, summary, scraper.samples, before, after, started_at, window,
+                         history)
     summary["preemptions"] = result.preemptions
     # Growth of every server counter (prefix-cache hits, tokens, ...): the cache state a
     # point ran under, recorded next to its latencies.
     summary["server_counters"] = result.counters
     return result
+
+
+def view_at(records: Sequence[RequestRecord], done: Sequence[bool], tasks: Sequence[asyncio.Task] | None,
+            window: Window, now: float) -> list[RequestRecord]:
+    """Copies of ``records`` as they stand at ``now``, phased by ``window``: a request not
+    ``done`` is cut there (its chunks after ``now`` dropped; ``unfinished`` if a sample
+    request, else ``cancelled``), so a look can be judged while the point goes on, or a
+    finished run judged as it stood at an earlier look (the simulator). ``tasks``: the
+    requests' tasks, to settle a done one that raised."""
+    out = []
+    for i, (r, is_done) in enumerate(zip(records, done)):
+        c = copy.copy(r)
+        c.chunk_times = [t for t in r.chunk_times if t <= now]
+        c.phase = window.phase(r.scheduled_time)
+        c.warmup = c.phase != "sample"
+        if not is_done:
+            mark_cancelled(c, now)
+        elif tasks is not None:
+            _settle(tasks[i], c, now)
+        out.append(c)
+    return out
+
+
+def goes_on(verdict: Verdict, arrival: ArrivalConfig) -> bool:
+    """Whether a point judged ``verdict`` at a look that is not its last goes on to the
+    next: when undecided, or passing where only a failure may end it (``extend_on_pass``)."""
+    return verdict.state == UNDECIDED or (verdict.state == PASS and arrival.extend_on_pass)
+
+
+def look_summary(verdict: Verdict, window: Window) -> dict:
+    """One look of a point: its window, state, what was undecided and why it failed."""
+    return {"window_end": window.end, "seconds": window.seconds, "state": verdict.state,
+            "undecided": verdict.evidence.get("undecided", []), "reasons": verdict.reasons}
+
+
+def _all_done(tasks: Sequence[asyncio.Task], records: Sequence[RequestRecord], window: Window | None) -> bool:
+    """Every sample request of ``window`` has been sent and has ended."""
+    sample = [t for t, r in zip(tasks, records) if window is not None and window.phase(r.scheduled_time) == "sample"]
+    return bool(sample) and all(t.done() for t in sample)
 
 
 def _progress(total: int, enabled: bool):

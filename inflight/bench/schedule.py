@@ -39,8 +39,10 @@ async def plan_point(session: Session, arrival: ArrivalConfig) -> tuple[list[Slo
     With it: arrivals for ``warmup`` seconds (uncounted), then the window of at least
     ``duration`` seconds and at least ``min_requests`` arrivals (its arrivals are the
     sample; for a rate, exactly rate x window of them: ``arrivals.window_offsets``), then
-    cool-down arrivals for up to ``drain_timeout`` seconds. The mix is extended as the
-    schedule needs. ValueError when the rate is infinite or a trace is too short.
+    cool-down arrivals for up to ``drain_timeout`` seconds. With ``max_extensions``, the
+    window may grow that many times by its own span (``Window.extensions``: arrivals go on;
+    an extension holds as many arrivals as the window). The mix is extended as the schedule
+    needs. ValueError when the rate is infinite or a trace is too short.
     """
     if arrival.duration is None:
         n = session.dataset.num_prompts
@@ -49,31 +51,36 @@ async def plan_point(session: Session, arrival: ArrivalConfig) -> tuple[list[Slo
         raise ValueError("a measurement window (--duration) needs a finite --request-rate")
     warm, drain = arrival.phases()
     need = max(1, arrival.min_requests)
+    looks = 1 + arrival.max_extensions
     if arrival.process != "trace":
-        offs, end = arrivals.window_offsets(arrival.rate, arrival.process, arrival.burstiness, arrival.seed, warm,
-                                            arrival.duration, drain, need)
+        offs, ends = arrivals.window_offsets(arrival.rate, arrival.process, arrival.burstiness, arrival.seed, warm,
+                                             arrival.duration, drain, need, arrival.max_extensions)
         await session.ensure_specs(len(offs))
-        return _slots(session, offs, Window(warm, end, end + drain))
+        return _slots(session, offs, Window(warm, ends[0], ends[0] + drain, tuple(ends[1:])))
     n = len(session.specs) or need  # the trace's own times: extend until they cover the window
     while True:
         have = await session.ensure_specs(n)
         offs = offsets_for(session, arrival, have)
         in_window = [o for o in offs if o >= warm]
         if len(in_window) >= need:
-            end = max(warm + arrival.duration, in_window[need - 1] + 1e-9)
-            if offs[-1] >= end + drain:
+            span = max(arrival.duration, in_window[need - 1] + 1e-9 - warm)
+            ends = [warm + k * span for k in range(1, looks + 1)]
+            if offs[-1] >= ends[-1] + drain:
                 break
         if have < n:  # the trace ran out
             if len(in_window) >= need and offs[-1] >= warm + arrival.duration:
+                ends = [e for e in ends if e <= offs[-1]] or ends[:1]  # the extensions that fit
                 break  # the window fits; the cool-down is shorter than asked
             raise ValueError(f"the trace has {have} rows from --trace-skip on: too few for a "
                              f"{warm:g} s warm-up and a {arrival.duration:g} s window of >= {need} "
                              f"requests at this time scale")
         n *= 2
-    return _slots(session, offs, Window(warm, end, end + drain))
+    return _slots(session, offs, Window(warm, ends[0], ends[0] + drain, tuple(ends[1:])))
 
 
 def _slots(session: Session, offsets: list[float], window: Window) -> tuple[list[Slot], Window]:
-    slots = [Slot(sp, o, "warmup" if o < window.start else "sample" if o < window.end else "cooldown")
-             for sp, o in zip(session.specs, offsets) if o < window.deadline]
+    """Slots up to the last look's deadline, phased by the longest window: arrivals of an
+    extension are sample arrivals until the point is decided (``runner.run_point``)."""
+    longest = window.looks()[-1]
+    slots = [Slot(sp, o, longest.phase(o)) for sp, o in zip(session.specs, offsets) if o < longest.deadline]
     return slots, window

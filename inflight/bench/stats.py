@@ -196,7 +196,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict:
 
     Failed requests count toward duration and ``failed`` but not toward latencies,
     throughput or goodput. Prompt tokens are taken from ``usage`` where the server gave
-    them, else from the dataset's count.
+    them, else from the dataset's count. ``connection_retries`` sums every record's,
+    warm-ups and cool-downs included.
     """
     slo = slo or SLO()
     counted = [r for r in records if not r.warmup]
@@ -216,6 +217,9 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict:
         "completed": len(ok),
         "failed": len(counted) - len(ok),  # unfinished ones included
         "unfinished": sum(1 for r in counted if r.unfinished),
+        # Requests sent again after their connection failed before the status line (not
+        # failures; client.stream_request), in every phase: a fact about the connection.
+        "connection_retries": sum(r.connection_retries for r in records),
         "duration": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,

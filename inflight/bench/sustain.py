@@ -29,6 +29,27 @@ point's deadline passes. A load passes only when all of these hold:
 4. **Nothing failed**, and preemptions per completed request stay within
    ``preemption_threshold`` (1.0: more means the KV cache thrashes).
 
+**Fail only on evidence (sequential testing).** Each of 1-3 is one of three states. It
+*passes* by the rules above; it *fails* only when the evidence is conclusive: throughput's
+shortfall or the queue's growth more than ``fail_z`` (4) standard errors past its tolerance,
+or an SLO statistic's whole interval above its target; in between it is *undecided* (a
+p95's interval straddling its target, a growth or shortfall within a few standard errors
+of its tolerance). Throughput and queue are forecasts: they fail a load whose latency
+still meets the targets because it would not for long. A window cannot tell a lasting
+trend from a slowdown that passes (a neighbour, the host taking CPU: the count's standard
+error assumes a stationary queue, and a transient trend is not in its residuals), so
+while every SLO statistic passes, their failure is undecided too until the last look. A point with an undecided criterion and nothing failed is extended
+(``runner.run_point``: the window grows by one ``duration`` at a time, arrivals never
+stop, up to ``max_extensions`` times) and judged again over the longer window; at the last
+look an undecided criterion fails, as every straddle did with one look, and the verdict
+says so: the limit may err low by an interval's width there, never high. Error rates, per
+look and criterion, for a normal statistic: a sustainable load fails conclusively with
+P(Z > 4) = 3e-5 (was P(Z > 2) = 2.3 % with one look, which is how a load the server held
+for 5 minutes failed a 60 s window on queue noise alone, issue 30), and at the last look,
+after ``max_extensions`` longer windows that shrink the noise against the tolerance, with
+at most 2.3 %. An unsustainable load passes a look with the same probability as before (the
+pass rule is unchanged); the hold (``capacity.hold``) is the check on that side.
+
 Every verdict carries its evidence, pass or fail, as JSON and as printable lines.
 """
 
@@ -48,19 +69,37 @@ DEFAULT_PREEMPTION_THRESHOLD = 1.0  # preemptions per completed request
 DEFAULT_RATE_TOLERANCE = 0.95  # completed / offered, at least
 DEFAULT_QUEUE_TOLERANCE = 0.05  # growth over the second half / arrivals in it, at most
 DEFAULT_NOISE_Z = 2.0
+DEFAULT_FAIL_Z = 4.0
 
 
 @dataclass(frozen=True)
 class Window:
-    """The measurement window, seconds since the point's start: arrivals in [start, end)."""
+    """The measurement window, seconds since the point's start: arrivals in [start, end).
+    ``extensions``: the ends of the longer windows a point judged undecided may grow to
+    (see the module doc), each with the same drain time after it."""
 
     start: float
     end: float
     deadline: float  # when the point stopped waiting for unfinished sample requests
+    extensions: tuple[float, ...] = ()
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+    def looks(self) -> list["Window"]:
+        """This window, then each extension's (no further extensions of their own)."""
+        drain = self.deadline - self.end
+        return [Window(self.start, self.end, self.deadline)] + [
+            Window(self.start, e, e + drain) for e in self.extensions]
+
+    @property
+    def last_end(self) -> float:
+        return self.extensions[-1] if self.extensions else self.end
+
+    def phase(self, t: float) -> str:
+        """The phase of an arrival at ``t`` for this window: warmup, sample or cooldown."""
+        return "warmup" if t < self.start else "sample" if t < self.end else "cooldown"
 
 
 @dataclass
@@ -71,17 +110,30 @@ class Thresholds:
     rate_tolerance: float = DEFAULT_RATE_TOLERANCE
     queue_tolerance: float = DEFAULT_QUEUE_TOLERANCE
     noise_z: float = DEFAULT_NOISE_Z
+    fail_z: float = DEFAULT_FAIL_Z  # standard errors past a tolerance that fail at once
     preemption_threshold: float = DEFAULT_PREEMPTION_THRESHOLD
+
+
+PASS, FAIL, UNDECIDED = "pass", "fail", "undecided"
 
 
 @dataclass
 class Verdict:
+    """A point's verdict. ``state`` is ``pass``, ``fail`` or ``undecided`` (only from a
+    look that is not the last: ``judge(final=False)``); ``passed`` is ``state == "pass"``."""
+
     passed: bool
     reasons: list[str] = field(default_factory=list)  # why it failed; empty on pass
     evidence: dict = field(default_factory=dict)
+    state: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.state:
+            self.state = PASS if self.passed else FAIL
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "reasons": self.reasons, "evidence": self.evidence}
+        return {"passed": self.passed, "state": self.state, "reasons": self.reasons,
+                "evidence": self.evidence}
 
 
 # ---------------------------------------------------------------- in-flight counts
@@ -105,10 +157,29 @@ def queue_growth(records: Sequence[RequestRecord], t0: float, t1: float, step: f
     span = max(t1 - t0, 1e-9)
     step = step or min(0.1, span / 200)
     ts = np.arange(t0, t1 + 1e-12, step)
+    return trend(ts, in_flight_at(records, ts) if ts.size else np.zeros(0), t0, t1)
+
+
+def gauge_growth(samples: Sequence[dict], t0: float, t1: float, min_samples: int = 10) -> dict | None:
+    """:func:`trend` of the server's own queue, waiting + running requests as scraped
+    (``vllm:num_requests_waiting`` / ``running``, ``llamacpp:requests_deferred`` /
+    ``processing``, inflight's), over [t0, t1]; None with fewer than ``min_samples``."""
+    pts = [(s["t"], s["waiting"] + s["running"]) for s in samples
+           if s.get("waiting") is not None and s.get("running") is not None and t0 <= s["t"] <= t1]
+    if len(pts) < min_samples:
+        return None
+    ts, q = np.asarray(pts, dtype=float).T
+    return trend(ts, q, t0, t1)
+
+
+def trend(ts: np.ndarray, q: np.ndarray, t0: float, t1: float) -> dict:
+    """The least-squares trend of a count ``q`` sampled at times ``ts`` (s) over [t0, t1]:
+    slope (1/s), growth over the span, its autocorrelation-corrected standard error, the
+    residuals' standard deviation and the mean (see :func:`queue_growth`)."""
+    span = max(t1 - t0, 1e-9)
     if ts.size < 3:
         return {"slope": 0.0, "growth": 0.0, "growth_se": 0.0, "resid_sd": 0.0, "mean_in_flight": 0.0,
                 "t0": t0, "t1": t1}
-    q = in_flight_at(records, ts)
     slope, icept = np.polyfit(ts, q, 1)
     resid = q - (slope * ts + icept)
     r1 = 0.0
@@ -170,10 +241,14 @@ def slo_intervals(sample: Sequence[RequestRecord], slo: SLO, deadline: float,
 # ---------------------------------------------------------------- the verdict
 
 def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemptions: float | None = None,
-          thresholds: Thresholds | None = None, server_samples: Sequence[dict] = ()) -> Verdict:
+          thresholds: Thresholds | None = None, server_samples: Sequence[dict] = (),
+          final: bool = True) -> Verdict:
     """The verdict on one windowed point. ``records``: every request of the point, each with
     ``phase`` (warmup, sample, cooldown); ``preemptions``: the server counter's growth over
-    the point (None where not exposed); ``server_samples``: scraped gauges (optional)."""
+    the point (None where not exposed); ``server_samples``: scraped gauges (optional; their
+    waiting + running requests are the queue's evidence where there are enough of them).
+    ``final``: False for a look that may be extended: an inconclusive point is then
+    ``undecided``; True (the last look) fails it, as a single look always did."""
     th = thresholds or Thresholds()
     point = [r for r in records if r.phase in ("warmup", "sample", "cooldown")]
     sample = [r for r in point if r.phase == "sample"]
@@ -184,16 +259,20 @@ def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemption
     completed = done_in_window / secs if secs > 0 else 0.0
     shortfall = arrivals - done_in_window
     whole = queue_growth(point, window.start, window.end)
-    rate_noise = th.noise_z * math.sqrt(2) * whole["resid_sd"]
+    base_allowed = (1 - th.rate_tolerance) * arrivals
+    rate_noise = math.sqrt(2) * whole["resid_sd"]
     # One request short is no trend in a count: small samples would fail on it alone.
-    rate_allowed = max((1 - th.rate_tolerance) * arrivals + rate_noise, 1.0)
-    rate_ok = shortfall <= rate_allowed
+    rate_allowed = max(base_allowed + th.noise_z * rate_noise, 1.0)
+    rate_state = _state(shortfall, rate_allowed, max(base_allowed + th.fail_z * rate_noise, 1.0))
 
     mid = (window.start + window.end) / 2
-    half = queue_growth(point, mid, window.end)
+    half, source = gauge_growth(server_samples, mid, window.end), "server gauges (waiting + running)"
+    if half is None:
+        half, source = queue_growth(point, mid, window.end), "client in-flight"
     half_arrivals = sum(1 for r in sample if r.scheduled_time >= mid)
-    queue_tol = th.queue_tolerance * half_arrivals + th.noise_z * half["growth_se"]
-    queue_ok = half["growth"] <= max(queue_tol, 1.0)  # the count is an integer: +1 is no trend
+    queue_base = th.queue_tolerance * half_arrivals
+    queue_tol = max(queue_base + th.noise_z * half["growth_se"], 1.0)  # +1 is no trend in a count
+    queue_state = _state(half["growth"], queue_tol, max(queue_base + th.fail_z * half["growth_se"], 1.0))
 
     failed = [r for r in point if not r.success and not r.unfinished and not r.cancelled]
     unfinished = sum(1 for r in sample if r.unfinished)
@@ -201,27 +280,43 @@ def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemption
     per_req = preemptions / finished_all if preemptions is not None and finished_all else None
     intervals = slo_intervals(sample, slo, window.deadline, th.confidence)
 
-    reasons, causes = [], []
+    for iv in intervals.values():
+        iv["state"] = (PASS if iv["passed"] else FAIL if iv["n"] < iv["n_min"] or iv["lo"] > iv["target"]
+                       else UNDECIDED)
+    latency_met = all(iv["state"] == PASS for iv in intervals.values())
+    if not final and latency_met:
+        # Throughput and queue forecast that latency will break; while it has not, a
+        # longer window tells a lasting trend from a passing slowdown (module doc).
+        rate_state = UNDECIDED if rate_state == FAIL else rate_state
+        queue_state = UNDECIDED if queue_state == FAIL else queue_state
+
+    reasons, causes, undecided = [], [], []
     if arrivals == 0:
         reasons.append("no request arrived in the window")
         causes.append("sample")
-    if not rate_ok:
-        causes.append("throughput")
-        reasons.append(f"throughput {completed:.3g} req/s < {th.rate_tolerance:g} x offered {offered:.3g} req/s "
-                       f"({shortfall} more arrived than completed; noise allows {rate_allowed:.1f})")
-    if not queue_ok:
-        causes.append("queue")
-        reasons.append(f"queue growing: {half['growth']:+.1f} requests over the window's second half "
-                       f"({half['slope']:.3g} req/s; tolerance {max(queue_tol, 1.0):.1f})")
+    rate_text = (f"throughput {completed:.3g} req/s < {th.rate_tolerance:g} x offered {offered:.3g} req/s "
+                 f"({shortfall} more arrived than completed; noise allows {rate_allowed:.1f})")
+    queue_text = (f"queue growing: {half['growth']:+.1f} requests over the window's second half "
+                  f"({half['slope']:.3g} req/s; tolerance {queue_tol:.1f})")
+    for key, state, text in (("throughput", rate_state, rate_text), ("queue", queue_state, queue_text)):
+        if state == FAIL or (state == UNDECIDED and final):
+            causes.append(key)
+            reasons.append(text + (" (undecided at the last look)" if state == UNDECIDED else ""))
+        elif state == UNDECIDED:
+            undecided.append(key)
     for key, iv in intervals.items():
-        if iv["passed"]:
+        if iv["state"] == PASS:
+            continue
+        if iv["state"] == UNDECIDED and not final:
+            undecided.append(key)
             continue
         causes.append("sample" if iv["n"] < iv["n_min"] else key)
         if iv["n"] < iv["n_min"]:
             reasons.append(f"{key}: {iv['n']} requests cannot bound it (needs >= {iv['n_min']} at "
                            f"{th.confidence:.0%} confidence)")
         else:
-            reasons.append(f"{key} {_ms(iv['estimate'])} (upper {_ms(iv['hi'])}) > {_ms(iv['target'])}")
+            reasons.append(f"{key} {_ms(iv['estimate'])} (upper {_ms(iv['hi'])}) > {_ms(iv['target'])}"
+                           + (" (undecided at the last look)" if iv["state"] == UNDECIDED else ""))
     if failed:
         causes.append("failures")
         first = (failed[0].error or "unknown error")[:120]
@@ -235,15 +330,29 @@ def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemption
         "sample": arrivals, "offered_rate": offered, "completed_rate": completed,
         "completed_in_window": done_in_window, "rate_ratio": completed / offered if offered else None,
         "shortfall": shortfall, "shortfall_allowed": rate_allowed, "in_flight_sd": whole["resid_sd"],
-        "queue": {**half, "tolerance": max(queue_tol, 1.0), "arrivals": half_arrivals,
-                                                 "source": "client in-flight"},
+        "throughput_state": rate_state,
+        "queue": {**half, "tolerance": queue_tol, "arrivals": half_arrivals, "source": source,
+                  "state": queue_state},
         "server_waiting_slope": server_queue_slope(server_samples, mid, window.end),
         "slo": intervals, "unfinished": unfinished, "failed": len(failed),
         "cancelled_cooldown": sum(1 for r in point if r.cancelled),
         "preemptions": preemptions, "preemptions_per_request": per_req,
-        "thresholds": th.__dict__.copy(), "causes": causes,
+        "thresholds": th.__dict__.copy(), "causes": causes, "undecided": undecided,
+        "final": final,
     }
-    return Verdict(not reasons, reasons, evidence)
+    if reasons:
+        return Verdict(False, reasons, evidence, FAIL)
+    if undecided:
+        return Verdict(False, [f"undecided: {', '.join(undecided)} within noise of the target"], evidence,
+                       UNDECIDED)
+    return Verdict(True, [], evidence, PASS)
+
+
+def _state(value: float, pass_at_most: float, fail_above: float) -> str:
+    """pass (value <= pass_at_most), fail (value > fail_above) or undecided between."""
+    if value <= pass_at_most:
+        return PASS
+    return FAIL if value > fail_above else UNDECIDED
 
 
 def _ms(v: float | None) -> str:

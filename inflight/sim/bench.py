@@ -27,13 +27,15 @@ from inflight.bench.client import RequestRecord
 from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset
 from inflight.bench.metrics_scrape import Snapshot
-from inflight.bench.runner import ArrivalConfig, LoadConfig, PointResult, Session, mark_cancelled
+from inflight.bench.runner import (ArrivalConfig, LoadConfig, PointResult, Session, goes_on, look_summary,
+                                   mark_cancelled, view_at)
 from inflight.bench.schedule import plan_point
 from inflight.bench.stats import SLO, summarize
+from inflight.bench.sustain import Thresholds, Window, judge
 from inflight.config import EngineConfig
 from inflight.routing import ROUTERS, make_router
 from inflight.sim.cluster import SimRequest, Simulator
-from inflight.sim.profile import StepProfile, load_profile
+from inflight.sim.profile import StepProfile, load_profile, profile_warnings
 
 
 MAX_REPLICAS = 1024
@@ -145,6 +147,8 @@ def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router:
     if router not in ROUTERS:
         raise ValueError(f"--router: unknown policy {router!r} (choose from {', '.join(ROUTERS)})")
     profile = load_profile(profile_path)
+    for note in profile_warnings(profile):
+        print(f"WARNING: {profile_path}: {note}", file=sys.stderr)
     eng = profile.engine
     extra: dict[str, Any] = {"max_num_waiting": eng.get("max_num_waiting", 512), "served_model_name": None}
     if command:
@@ -193,10 +197,14 @@ async def open_sim_session(load: LoadConfig, dataset: DatasetConfig, setup: SimS
     return session
 
 
-async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None) -> PointResult:
-    """``run_point`` on the simulator: the point's schedule, simulated; the same result."""
+async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None,
+                         thresholds: Thresholds | None = None) -> PointResult:
+    """``run_point`` on the simulator: the point's schedule, simulated; the same result.
+    Every look a real point could take is simulated, then judged as it stood at each look
+    (``runner.view_at``), so an undecided point is extended as a real one would be."""
     setup: SimSetup = session.simulation
     slots, window = await plan_point(session, arrival)
+    longest = window.looks()[-1] if window is not None else None
     # A multi-turn mix: follow-ups carry their history, stand-in answers for the real ones.
     sent = with_stand_in_answers([s.spec for s in slots])
     reqs = [SimRequest(i, s.offset, setup.prompt_ids(s.spec, session.endpoint, x), s.spec.output_len,
@@ -205,7 +213,7 @@ async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | No
                        not_after_done=s.phase == "cooldown")
             for i, (s, x) in enumerate(zip(slots, sent))]
     t0 = time.perf_counter()
-    run = setup.simulator(session.load, arrival.seed).run(reqs, until=None if window is None else window.deadline)
+    run = setup.simulator(session.load, arrival.seed).run(reqs, until=None if longest is None else longest.deadline)
     wall = time.perf_counter() - t0
     records = []
     for slot, o in zip(slots, run.outcomes):
@@ -225,6 +233,10 @@ async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | No
             r.prompt_tokens, r.output_tokens = o.prompt_tokens, o.output_tokens
             r.output_tokens_from_usage = True
         records.append(r)
+    samples, history = run.samples, list[dict]()
+    if window is not None:
+        records, window, samples, history = _judge_looks(records, window, run.samples, run.end_time, slo,
+                                                         thresholds, arrival)
     steps = sum(r["steps"] for r in run.replicas)
     beyond = sum(r["extrapolated_steps"] for r in run.replicas)
     if beyond:
@@ -233,9 +245,34 @@ async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | No
     summary = summarize(records, slo)
     before = Snapshot({k: 0.0 for k in run.counters})
     after = Snapshot(dict(run.counters))
-    result = PointResult(arrival, records, summary, run.samples, before, after, time.time(), window)
+    result = PointResult(arrival, records, summary, samples, before, after, time.time(), window, history)
     summary["preemptions"] = result.preemptions
     summary["server_counters"] = result.counters
     summary["simulation"] = {"wall_seconds": wall, "simulated_seconds": run.end_time, "replicas": run.replicas,
                              "router": {"policy": setup.router, **run.router}}
     return result
+
+
+def _judge_looks(records: list[RequestRecord], window: Window, samples: list[dict], end: float,
+                 slo: SLO | None, thresholds: Thresholds | None, arrival: ArrivalConfig,
+                 ) -> tuple[list[RequestRecord], Window, list[dict], list[dict]]:
+    """The records, window and gauge samples as they stood at the look that decided the
+    point (the first not undecided, or the last), and the earlier looks' verdicts."""
+    looks = window.looks()
+    history: list[dict] = []
+    for k, w in enumerate(looks):
+        sample = [r for r in records if w.phase(r.scheduled_time) == "sample"]
+        ended = [r.end_time for r in sample if not (r.unfinished or r.cancelled)]
+        # As a real point: the look is taken when its sample has ended, or at its deadline.
+        now = max(ended) if sample and len(ended) == len(sample) else w.deadline
+        now = min(now, w.deadline, end)
+        done = [not (r.unfinished or r.cancelled) and r.end_time <= now for r in records]
+        view = view_at(records, done, None, w, now)
+        seen = [s for s in samples if s["t"] <= now]
+        if k == len(looks) - 1 or slo is None or not slo.aggregate:
+            return view, w, seen, history
+        verdict = judge(view, w, slo, None, thresholds, seen, final=False)
+        if not goes_on(verdict, arrival):
+            return view, w, seen, history
+        history.append(look_summary(verdict, w))
+    raise AssertionError("unreachable: the last look returns")

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from inflight.sim.profile import (StepProfile, StepShape, fit_cost_model, sample_row, save_profile,
+from inflight.sim.profile import (StepProfile, StepShape, fit_cost_model, profile_warnings, sample_row, save_profile,
                                   summary_line)
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,9 @@ def run_profile(args: argparse.Namespace) -> int:
     profile.created_at = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     save_profile(args.output, profile)
     print(f"wrote {args.output}: {profile.describe()}")
+    for note in profile_warnings(profile):
+        print(f"WARNING: {note}; a simulation on this profile predicts that, not this server "
+              f"(measure again on an idle machine)", file=sys.stderr)
     return 0
 
 
@@ -182,7 +185,7 @@ def from_step_logs(paths: list[str]) -> StepProfile:
 
 def measure(config: Any, args: argparse.Namespace) -> StepProfile:
     """Time the grid on the engine ``config`` describes; fit and return the profile."""
-    from inflight.bench.machine import describe_machine
+    from inflight.bench.machine import HostMonitor, describe_machine
     from inflight.engine.engine import Engine
     from inflight.sampling_params import SamplingParams
 
@@ -233,6 +236,7 @@ def measure(config: Any, args: argparse.Namespace) -> StepProfile:
     shapes.clear()
     seconds.clear()
     cases = _cases(config, args.quick)
+    monitor = HostMonitor().start()
     t0 = time.perf_counter()
     for rep in range(args.repeats):
         for name, initial, late in cases:
@@ -243,7 +247,9 @@ def measure(config: Any, args: argparse.Namespace) -> StepProfile:
     cost = fit_cost_model(shapes, seconds)
     for kind, fit in cost.fits.items():
         print(f"  {kind}: {summary_line(fit)}", file=sys.stderr)
-    machine = {**machine_start, "end": describe_machine(), "profile_seconds": time.perf_counter() - t0}
+    host = monitor.stop()
+    machine = {**machine_start, "end": describe_machine(), "profile_seconds": time.perf_counter() - t0,
+               "host_load": None if host is None else host.to_json()}
     header = engine_header(engine, args.max_num_waiting)
     return StepProfile("measured", cost, header["engine"], header["model"], machine,
                        samples=[sample_row(s, t) for s, t in zip(shapes, seconds)])

@@ -365,6 +365,34 @@ def sample_row(shape: StepShape, seconds: float) -> list[float]:
             shape.prefill_pairs, round(seconds, 7)]
 
 
+MAX_FIT_ERROR_PCT = 25.0  # mean |error| over a fit's steps; the busy-host fits seen were 37 %
+MIN_FIT_STEPS = 200
+
+
+def profile_warnings(profile: "StepProfile") -> list[str]:
+    """Why a measured or serving profile should not be trusted: a fit whose mean error over
+    its steps exceeds ``MAX_FIT_ERROR_PCT``, too few steps, or a host that other processes
+    kept busy while it was measured (``machine["host_load"]``, ``bench.machine.HostLoad``).
+    Empty for a derived (roofline) profile or a sound one."""
+    notes: list[str] = []
+    cost = profile.cost
+    if isinstance(cost, FittedCostModel):
+        steps = 0
+        for kind, fit in cost.fits.items():
+            mean = fit.error.get("in_sample_mean_abs_pct")
+            steps += int(fit.error.get("steps", 0))
+            if mean is not None and mean > MAX_FIT_ERROR_PCT:
+                notes.append(f"the {kind} fit's mean error is {mean:.0f}% (> {MAX_FIT_ERROR_PCT:.0f}%): step times "
+                             f"vary more than a profile can say (a busy host?)")
+        if steps < MIN_FIT_STEPS:
+            notes.append(f"only {steps} steps were fitted (< {MIN_FIT_STEPS})")
+    host = profile.machine.get("host_load") or {}
+    if host.get("is_busy"):
+        notes.append(f"the host was busy while it was measured: other processes {host['others_cores']:.2f} cores, "
+                     f"stolen {host['steal']:.0%}")
+    return notes
+
+
 def summary_line(fit: Fit) -> str:
     e = fit.error
     cv = e.get("cv_mean_abs_pct")

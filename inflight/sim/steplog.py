@@ -21,6 +21,7 @@ from typing import Any, TextIO
 from inflight.sim.profile import StepShape
 
 STEP_LOG_KIND = "inflight-step-log"
+FLUSH_EVERY_S = 1.0
 
 
 class StepLog:
@@ -36,6 +37,7 @@ class StepLog:
         self._file: TextIO = open(path, "w", buffering=1 << 16)
         self._file.write(json.dumps({"kind": STEP_LOG_KIND, **header}) + "\n")
         self._last_plan: Any = None
+        self._flushed = 0.0
 
     def __call__(self, stats: Any, outputs: Any, now: float) -> None:
         plan = self._engine.engine.last_plan
@@ -45,6 +47,9 @@ class StepLog:
         s = StepShape.of(plan.scheduled)
         self._file.write(f"[{now:.6f},{self._engine.num_waits},{s.tokens},{s.rows},{s.samples},"
                          f"{s.prefill_tokens},{s.decode_context},{s.prefill_pairs}]\n")
+        if now - self._flushed >= FLUSH_EVERY_S:  # readable while serving (bench capacity --calibrate)
+            self._file.flush()
+            self._flushed = now
 
     def close(self) -> None:
         self._file.close()

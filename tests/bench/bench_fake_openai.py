@@ -8,6 +8,12 @@ tokenizer as ``/tokenize`` (one token per 4 characters of each word, plus a BOS)
 
 Runs in a thread of the test process (``FakeServer``) or as a script (``--port``, ``--ttft``)
 for the ``--serve-cmd`` tests. Listens on 127.0.0.1 only.
+
+Like servers other than inflight and vLLM, it can lack ``/reset_prefix_cache`` (404),
+``/metrics`` (501, as llama-server without ``--metrics``) and ``/tokenize`` (404), or take
+llama-server's ``/tokenize`` body (``tokenize_shape="llama.cpp"``). ``DroppingProxy`` stands
+in front of it and closes chosen requests' connections before any answer, as a server
+closing a reused keep-alive connection does.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 import json
 import math
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +47,7 @@ class Plan:
     status: int = 200
     usage: bool = True
     error_after: int | None = None  # send an error event after this many chunks
+    abort_after: int | None = None  # drop the connection after this many chunks (the answer started)
 
 
 PlanFn = Callable[[dict, int], Awaitable[Plan]]
@@ -53,12 +61,16 @@ async def default_plan(body: dict, index: int) -> Plan:
 class ServerState:
     plan: PlanFn = default_plan
     tokenize: bool = True
+    tokenize_shape: str = "vllm"  # or "llama.cpp": body {"content", "add_special"}; {"tokens": []} without it
+    reset_route: bool = True  # False: POST /reset_prefix_cache is 404
+    metrics_route: bool = True  # False: GET /metrics is 501, as llama-server's without --metrics
     preemptions_per_request: float = 0.0
     arrivals: list[float] = field(default_factory=list)  # time.perf_counter() per request
     bodies: list[dict] = field(default_factory=list)
     running: int = 0
     preemptions: float = 0.0
     prefix_cache_resets: int = 0
+    reset_requests: int = 0  # POST /reset_prefix_cache, answered or not
 
 
 def make_app(state: ServerState) -> FastAPI:
@@ -70,6 +82,9 @@ def make_app(state: ServerState) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
+        state.reset_requests += 1
+        if not state.reset_route:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
         state.prefix_cache_resets += 1
         return {"num_dropped_blocks": 0}
 
@@ -82,11 +97,18 @@ def make_app(state: ServerState) -> FastAPI:
         if not state.tokenize:
             return JSONResponse({"error": "no"}, status_code=404)
         body = await req.json()
+        if state.tokenize_shape == "llama.cpp":  # llama-server: no "content", no tokens
+            if "content" not in body:
+                return {"tokens": []}
+            n = toy_count(body["content"]) - (0 if body.get("add_special") else 1)
+            return {"tokens": list(range(n))}
         n = toy_count(body["prompt"])
         return {"tokens": list(range(n)), "count": n, "max_model_len": 4096}
 
     @app.get("/metrics")
     async def metrics():
+        if not state.metrics_route:
+            return PlainTextResponse("This server does not support metrics endpoint.", status_code=501)
         return PlainTextResponse(
             "# HELP inflight:num_requests_running r\n# TYPE inflight:num_requests_running gauge\n"
             f"inflight:num_requests_running{{model_name=\"fake-model\"}} {state.running}\n"
@@ -143,6 +165,8 @@ async def _stream(state: ServerState, plan: Plan, chat: bool, prompt_tokens: int
             if plan.error_after is not None and i == plan.error_after:
                 yield "data: " + json.dumps({"error": {"message": "scripted", "code": 500}}) + "\n\n"
                 return
+            if plan.abort_after is not None and i == plan.abort_after:
+                raise ConnectionAbortedError("scripted: the connection drops mid-answer")
             yield _chunk(chat, text, "length" if i == len(delays) - 1 else None)
         state.preemptions += state.preemptions_per_request
         if plan.usage:
@@ -183,6 +207,92 @@ class FakeServer:
         self._server.force_exit = True  # do not wait for streams a test left behind
         self._thread.join(timeout=10)
         self._sock.close()
+
+
+class DroppingProxy:
+    """A TCP proxy on a free 127.0.0.1 port in front of ``target_port``, in a thread of its
+    own. Requests pass through, except that the connection carrying the ``n``-th request
+    whose request line starts with ``match`` (0-based, counted in arrival order), for each
+    ``n`` in ``drop``, is reset (RST) once the request has been read whole, before any byte
+    of an answer: what a client sees when a server closes a keep-alive connection it is
+    reusing. ``seen``: how many matching requests arrived."""
+
+    def __init__(self, target_port: int, drop=(), match: bytes = b"POST /v1/") -> None:
+        self.target_port, self.drop, self.match = target_port, set(drop), match
+        self.seen = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.port = 0
+        self.base_url = ""
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        back = asyncio.ensure_future(self._copy(up_reader, writer))
+        try:
+            while True:  # one request at a time: head, then a Content-Length body
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+                if head.startswith(self.match):
+                    n, self.seen = self.seen, self.seen + 1
+                    if n in self.drop:
+                        sock = writer.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        writer.transport.abort()
+                        break
+                up_writer.write(head + body)
+                await up_writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
+            pass  # the client went away, or the proxy stops (a cancelled handler would be logged)
+        finally:
+            up_writer.close()
+            back.cancel()
+            writer.close()
+
+    @staticmethod
+    async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            dst.close()
+
+    def __enter__(self) -> "DroppingProxy":
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("proxy did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        async def stop() -> None:
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
 
 
 def queueing_plan(service: float, slots: int = 1, ttft: float = 0.0) -> PlanFn:

@@ -189,6 +189,9 @@ def test_a_hold_counts_more_requests_than_a_search_point():
     base = ArrivalConfig(process="poisson", rate=1.0, duration=60.0, min_requests=100, seed=3)
     space = SearchSpace(False, 1.0, 0.1, 10.0, hold_duration=300.0)
     held, point = space.arrival(base, 0.5, repeat=1, held=True), space.arrival(base, 0.5, repeat=1)
-    assert (held.duration, held.min_requests, held.rate, held.seed) == (300.0, 500, 0.5, 4)
-    assert (point.duration, point.min_requests) == (60.0, 100)
+    # Judged at each third: three windows of 100 s and >= 167 requests, so the last look's
+    # window (all three) holds >= 501; only a conclusive failure ends it before.
+    assert (held.duration, held.min_requests, held.rate, held.seed) == (100.0, 167, 0.5, 4)
+    assert (held.max_extensions, held.extend_on_pass) == (2, True)
+    assert (point.duration, point.min_requests, point.max_extensions, point.extend_on_pass) == (60.0, 100, 2, False)
     assert held.phases() == base.phases()  # warm-up and drain as the search's

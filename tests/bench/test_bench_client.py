@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import types
 
+import aiohttp
 import pytest
 
 from inflight.bench.client import DONE, RequestRecord, _SSE, build_payload, sse_lines, stream_request
@@ -220,3 +222,110 @@ def test_payloads():
     body = build_payload(RequestSpec("q", None, None, 8, ignore_eos=False), "chat", "m", None)
     assert body["messages"] == [{"role": "user", "content": "q"}]
     assert "ignore_eos" not in body and "temperature" not in body and "prompt" not in body
+
+
+# ---------------------------------------------------------------- connection retries
+
+class FlakySession(ScriptedSession):
+    """``post`` fails with ``errors[k]`` on its k-th call (None: answers), before any status
+    line, after ``fail_delay`` seconds of the virtual clock: the time the failed attempt took."""
+
+    def __init__(self, clock, events, errors, fail_delay=0.5) -> None:
+        super().__init__(scripted(clock, events).body)
+        self.clock, self.errors, self.fail_delay, self.calls = clock, list(errors), fail_delay, 0
+
+    @contextlib.asynccontextmanager
+    async def post(self, url, json=None, headers=None):
+        k, self.calls = self.calls, self.calls + 1
+        error = self.errors[k] if k < len(self.errors) else None
+        if error is not None:
+            self.clock.t += self.fail_delay
+            raise error
+        async with super().post(url, json, headers) as resp:
+            yield resp
+
+
+def connector_error():
+    key = types.SimpleNamespace(host="127.0.0.1", port=8080, ssl=True)
+    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connection refused"))
+
+
+PRE_RESPONSE = [
+    aiohttp.ClientOSError(32, "Can not write request body for http://fake/v1/completions"),
+    aiohttp.ServerDisconnectedError(),
+    aiohttp.ClientConnectionResetError("Cannot write to closing transport"),
+    connector_error(),
+]
+
+
+@pytest.mark.parametrize("error", PRE_RESPONSE, ids=lambda e: type(e).__name__)
+def test_a_connection_failing_before_the_status_line_is_retried_once(error):
+    """The retry succeeds: the request is no failure, counted once, and timed from the
+    retry (the failed attempt's 0.5 s is in neither TTFT nor E2E)."""
+    clock = FakeClock()
+    clock.t = 3.0
+    session = FlakySession(clock, completion_events(0.25, [0.125]), [error])
+    r = asyncio.run(stream_request(session, "http://fake/v1/completions", {}, RequestRecord(0, 3.0), clock=clock))
+    assert session.calls == 2
+    assert r.success and r.error is None and r.connection_retries == 1
+    assert r.send_time == 3.5 and r.chunk_times == [3.75, 3.875] and r.end_time == 3.875
+    m = request_metrics(r)
+    assert (m.ttft, m.e2e) == (0.25, 0.375)
+
+
+def test_a_second_failure_before_the_status_line_fails_the_request():
+    clock = FakeClock()
+    session = FlakySession(clock, completion_events(0.25, [0.125]),
+                           [aiohttp.ServerDisconnectedError(), PRE_RESPONSE[0]])
+    r = asyncio.run(stream_request(session, "http://fake/v1/completions", {}, RequestRecord(0, 0.0), clock=clock))
+    assert session.calls == 2  # one retry, no more
+    assert not r.success and r.connection_retries == 1 and r.status is None
+    assert r.error == "ClientOSError: [Errno 32] Can not write request body for http://fake/v1/completions"
+    assert r.send_time == 0.5 and r.end_time == 1.0
+
+
+@pytest.mark.parametrize("error", [aiohttp.ServerDisconnectedError(),
+                                   aiohttp.ClientPayloadError("Response payload is not completed")],
+                         ids=lambda e: type(e).__name__)
+def test_an_error_after_the_status_line_is_not_retried(error):
+    """The answer had started (status 200, one token): the server's failure, not retried."""
+    clock = FakeClock()
+    calls = []
+
+    async def body():
+        calls.append(1)
+        clock.t += 0.25
+        yield sse(comp("a"))
+        raise error
+    r = asyncio.run(stream_request(ScriptedSession(body), "http://fake/v1/completions", {},
+                                   RequestRecord(0, 0.0), clock=clock))
+    assert len(calls) == 1
+    assert not r.success and r.connection_retries == 0 and r.status == 200
+    assert r.error.startswith(type(error).__name__) and r.chunk_times == [0.25]
+
+
+def test_a_timeout_before_the_status_line_is_not_retried():
+    clock = FakeClock()
+    session = FlakySession(clock, completion_events(0.25, []), [aiohttp.ConnectionTimeoutError("connect")])
+    r = asyncio.run(stream_request(session, "http://fake/v1/completions", {}, RequestRecord(0, 0.0),
+                                   timeout=7.0, clock=clock))
+    assert session.calls == 1 and not r.success and r.connection_retries == 0
+    assert r.error == "timeout after 7 s"
+
+
+def test_summary_counts_connection_retries_apart_from_failures():
+    clock = FakeClock()
+    flaky = [[PRE_RESPONSE[1]], [], [PRE_RESPONSE[0], PRE_RESPONSE[1]], [PRE_RESPONSE[0]]]
+    records = []
+    for i, errors in enumerate(flaky):
+        clock.t = float(i)
+        r = RequestRecord(i, float(i), warmup=i == 3, phase="cooldown" if i == 3 else "sample")
+        records.append(asyncio.run(stream_request(FlakySession(clock, completion_events(0.125, [0.125]), errors),
+                                                  "http://fake/v1/completions", {}, r, clock=clock)))
+    s = summarize(records)
+    # Requests 0 and 3 retried and completed; request 2 retried and failed; request 3 is a
+    # cool-down request: its retry counts, its outcome does not.
+    assert s["connection_retries"] == 3
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert list(s["errors"]) == ["ServerDisconnectedError: Server disconnected"]
+    assert records[0].to_json()["connection_retries"] == 1

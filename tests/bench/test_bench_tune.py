@@ -15,7 +15,7 @@ import time
 import pytest
 
 from inflight.bench.__main__ import main
-from inflight.bench.tune import choose, parse_knob, set_flag, slo_usage
+from inflight.bench.tune import check_port, choose, flag_value, parse_knob, set_flag, slo_usage
 
 SCRIPT = pathlib.Path(__file__).with_name("bench_fake_openai.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -75,6 +75,51 @@ def test_knob_parsing_and_choice():
     assert choose({"128": R(4.2, ttft_hi=1.12), "256": R(4.2, ttft_hi=1.98)}, "256", False) == "128"
     assert choose({"128": R(4.2, ttft_hi=1.9), "256": R(4.2, ttft_hi=1.98)}, "256", False) == "256"
     assert choose({"128": R(4.0, ttft_hi=0.1), "256": R(4.2, ttft_hi=1.98)}, "256", False) == "256"
+
+
+LLAMA = ["llama-server", "-m", "m.gguf", "-np", "16", "-c", "8192", "--port", "8090"]
+
+
+def test_knobs_of_llama_server_in_long_or_short_spelling():
+    """A knob named by the long or the short form replaces the flag in the spelling the
+    command uses, never appending a duplicate; the command's own value gives the same command."""
+    assert parse_knob("parallel=8,16,32") == ("parallel", ["8", "16", "32"])
+    assert parse_knob("np=8,16") == parse_knob("-np=8,16") == parse_knob("--parallel=8,16") == ("parallel", ["8", "16"])
+    assert parse_knob("-x=1,2") == ("-x", ["1", "2"])  # an unknown short flag stays one
+    for name in ("parallel", "np", "-np"):
+        assert set_flag(LLAMA, name, "32") == ["llama-server", "-m", "m.gguf", "-np", "32", "-c", "8192",
+                                               "--port", "8090"]
+        assert set_flag(LLAMA, name, "16") == LLAMA
+        assert flag_value(LLAMA, name) == "16"
+    long_form = ["llama-server", "--parallel", "16", "--ctx-size=8192"]
+    assert set_flag(long_form, "np", "8") == ["llama-server", "--parallel", "8", "--ctx-size=8192"]
+    assert set_flag(long_form, "c", "4096") == ["llama-server", "--parallel", "16", "--ctx-size", "4096"]
+    # Both spellings given: the first is set, the other dropped with its value.
+    assert set_flag(["llama-server", "-np", "4", "--parallel", "16"], "parallel", "8") == ["llama-server", "-np", "8"]
+    assert set_flag(["llama-server"], "np", "8") == ["llama-server", "--parallel", "8"]  # absent: the long form
+    assert set_flag(["s", "-ngl", "99"], "gpu-layers", "0") == ["s", "-ngl", "0"]  # three spellings
+    # Switches: -cb / -nocb keep their short form; on/off as a value (-fa) stays a value.
+    assert set_flag(["s", "-cb", "-np", "4"], "cont-batching", "off") == ["s", "-nocb", "-np", "4"]
+    assert set_flag(["s", "--no-cont-batching"], "cb", "on") == ["s", "--cont-batching"]
+    assert flag_value(["s", "-cb", "-np", "4"], "cb") == "on" and flag_value(["s", "-nocb"], "cont-batching") == "off"
+    assert set_flag(["s", "-fa", "auto"], "flash-attn", "on") == ["s", "-fa", "on"]
+    assert set_flag(["s"], "fa", "off") == ["s", "--flash-attn", "off"]
+    assert flag_value(["s", "--x", "-1"], "x") == "-1"  # a negative number is a value, not a flag
+    # vLLM's short forms.
+    assert set_flag(["vllm", "serve", "m", "-tp", "2"], "tensor-parallel-size", "4") == ["vllm", "serve", "m",
+                                                                                          "-tp", "4"]
+
+
+def test_the_served_command_must_listen_at_base_url():
+    check_port(LLAMA, "http://127.0.0.1:8090")
+    with pytest.raises(ValueError, match="port 8090"):
+        check_port(LLAMA, "http://127.0.0.1:8000")
+    check_port(["serve", "--port=8001"], "http://127.0.0.1:8001")
+    # llama-server listens on 8080 without --port.
+    check_port(["/opt/llama/bin/llama-server", "-m", "m.gguf"], "http://127.0.0.1:8080")
+    with pytest.raises(ValueError, match="8080 .no --port given"):
+        check_port(["/opt/llama/bin/llama-server", "-m", "m.gguf"], "http://127.0.0.1:8000")
+    check_port(["inflight", "serve"], "http://127.0.0.1:8000")
 
 
 def test_tune_picks_the_best_value_per_knob_and_resumes(data_dir, tmp_path, capsys):

@@ -1,0 +1,116 @@
+"""``bench capacity --calibrate``: predict the operating limit from the server's own steps.
+
+The server under test is started with ``--step-log`` (``bench.commands`` adds it to an
+``inflight serve`` command). Before the search, a calibration ramp (``bench.ramp``) loads
+it up to saturation; a profile is fitted to the step log so far (``profile.fit_cost_model``
+on the back-to-back steps, as ``inflight profile --from-step-log`` does), and the same
+capacity search, holds included, runs on the simulator with that profile and the same
+request mix, SLO and thresholds: the predicted limit, in seconds. The real search then
+starts at the prediction and verifies around it (``limit.find_limit``).
+
+A prediction is not used silently when it cannot be trusted (``profile.profile_warnings``:
+a fit whose mean error over the steps is high, too few steps, or other processes busy on
+the host during the ramp, ``bench.machine.HostMonitor``): it is then unusable, with notes
+that say why, and the search runs as it would without ``--calibrate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import time
+from dataclasses import replace
+from typing import Sequence
+
+from inflight.bench.datasets import DatasetConfig
+from inflight.bench.limit import Prediction, SearchSpace, find_limit
+from inflight.bench.machine import HostMonitor, describe_machine
+from inflight.bench.ramp import run_ramp
+from inflight.bench.runner import ArrivalConfig, LoadConfig, Session
+from inflight.bench.stats import SLO
+from inflight.bench.sustain import Thresholds
+from inflight.sim.bench import open_sim_session, sim_setup
+from inflight.sim.profile import (StepProfile, fit_cost_model, profile_warnings, sample_row, save_profile,
+                                  summary_line)
+from inflight.sim.steplog import read_step_logs
+
+def fit_step_log(path: str | pathlib.Path, host: dict | None = None) -> tuple[StepProfile, dict]:
+    """A serving profile fitted to a step log, and its fit errors by step kind (mean and
+    p95 |error| in %, steps); ``host``: the host's load while it was logged (saved in the
+    profile's machine). ValueError when the log holds no back-to-back steps."""
+    header, shapes, seconds = read_step_logs([path])
+    if not shapes:
+        raise ValueError(f"{path}: no back-to-back steps logged yet")
+    cost = fit_cost_model(shapes, seconds)
+    errors = {kind: {"mean_abs_pct": fit.error.get("in_sample_mean_abs_pct"),
+                     "p95_abs_pct": fit.error.get("in_sample_p95_abs_pct"),
+                     "steps": int(fit.error.get("steps", 0)), "summary": summary_line(fit)}
+              for kind, fit in cost.fits.items()}
+    machine = {**describe_machine(), "step_logs": [str(path)], "host_load": host}
+    profile = StepProfile("serving (calibration ramp)", cost, header["engine"], header["model"], machine,
+                          samples=[sample_row(s, t) for s, t in zip(shapes, seconds)])
+    return profile, errors
+
+
+def make_predictor(step_log: str | pathlib.Path, command: str, load: LoadConfig, dataset: DatasetConfig,
+                   base: ArrivalConfig, slo: SLO, space: SearchSpace, thresholds: Thresholds,
+                   pids: Sequence[int] = (), ramp_start: float | None = None,
+                   profile_out: str | pathlib.Path | None = None):
+    """A ``limit.Predict`` for the server started by ``command`` and logging its steps to
+    ``step_log`` (module doc). ``pids``: the server's processes (ours, for the host check);
+    ``ramp_start``: the ramp's first rate in req/s (default: half the search's start rate);
+    ``profile_out``: where to save the fitted profile (for ``--simulate`` what-ifs)."""
+
+    async def predict(session: Session) -> Prediction:
+        t0 = time.perf_counter()
+        monitor = HostMonitor(pids).start()
+        start = ramp_start or _ramp_rate(session, space, base)
+        ramp = await run_ramp(session, start, seed=base.seed)
+        host_load = monitor.stop()
+        host = host_load.to_json() if host_load else None
+        profile, errors = fit_step_log(step_log, host)
+        if profile_out is not None:
+            save_profile(profile_out, profile)
+        notes = profile_warnings(profile)
+        if profile_out is None:
+            raise ValueError("make_predictor needs profile_out")
+        quiet = io.StringIO()  # the notes say what the profile's warnings would
+        with contextlib.redirect_stderr(quiet):
+            setup = sim_setup(str(profile_out), command)
+            sim_session = await open_sim_session(load, dataset, setup)
+            res = await find_limit(_connect(sim_session), base, slo, replace(space, repeats=1), thresholds,
+                                   log=quiet)
+        found, first_fail = res.limits[0], res.failed_above[0]
+        limit = None if found is None else _load(space, found)
+        above = None if first_fail is None else _load(space, first_fail)
+        if limit is None:
+            notes.append("the simulation found no load that meets the SLO")
+        details = {"ramp": ramp.to_json(), "host": host, "fit": errors,
+                   "profile": None if profile_out is None else str(profile_out),
+                   "simulated_points": [{k: p[k] for k in ("x", "passed", "held", "reasons")} for p in res.curve]}
+        return Prediction(limit, above, not notes and limit is not None, notes, time.perf_counter() - t0, details)
+
+    return predict
+
+
+def _connect(session: Session):
+    async def connect() -> Session:
+        return session
+    return connect
+
+
+def _load(space: SearchSpace, x: float) -> float:
+    """A limit as the user sees it (``SearchSpace.x``) back to search units."""
+    return 1 / x if space.by_scale else x
+
+
+def _ramp_rate(session: Session, space: SearchSpace, base: ArrivalConfig) -> float:
+    """Half the search's start load in req/s (a trace's load is 1 / time scale times its
+    own mean rate)."""
+    if not space.by_scale:
+        return max(space.start / 2, 0.05)
+    times = [s.trace_time for s in session.specs if s.trace_time is not None]
+    span = (max(times) - min(times)) if len(times) > 1 else 0.0
+    own = (len(times) - 1) / span if span > 0 else 1.0
+    return max(space.start * own / 2, 0.05)
