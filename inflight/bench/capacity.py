@@ -75,14 +75,21 @@ class SearchResult:
 Measure = Callable[[float], Awaitable[PointOutcome]]
 
 
+Advise = Callable[[], Awaitable[float | None]]
+
+
 async def search(measure: Measure, start: float, min_load: float, max_load: float,
-                 tolerance: float = 0.1, max_points: int = 16, step: float = 2.0) -> SearchResult:
+                 tolerance: float = 0.1, max_points: int = 16, step: float = 2.0,
+                 advise: Advise | None = None) -> SearchResult:
     """Bracket then bisect the pass/fail boundary of ``measure`` over load (see module doc).
 
     ``step``: the first bracketing step's factor (2: double or halve). Each further step
     squares it, up to 2 (1.1, 1.21, 1.46, 2, 2, ...: a galloping search), so a start near
     the boundary (a prediction) brackets it in two points, and one far off still reaches
-    it in a few.
+    it in a few. ``advise``: asked once, after the first point, for a better guess of the
+    boundary (a prediction refined with what that point showed); the second point goes
+    there when it lies on the side the first point's verdict points to, at least ``step``
+    away.
     """
     if not (0 < min_load <= start <= max_load):
         raise ValueError("need 0 < min_load <= start <= max_load")
@@ -95,13 +102,25 @@ async def search(measure: Measure, start: float, min_load: float, max_load: floa
         points.append(p)
         return p.passed
 
+    async def advised(default: float, up: bool) -> float:
+        if advise is None or len(points) != 1:
+            return default
+        guess = await advise()
+        if guess is None:
+            return default
+        if up and guess > default:
+            return min(guess, max_load)
+        if not up and guess < default:
+            return max(guess, min_load)
+        return default
+
     lo: float | None = None
     hi: float | None = None
     x, factor = start, step
     if await probe(x):
         lo = x
         while len(points) < max_points and lo < max_load:
-            x = min(lo * factor, max_load)
+            x = await advised(min(lo * factor, max_load), up=True)
             factor = min(factor * factor, max(step, 2.0))
             if await probe(x):
                 lo = x
@@ -111,7 +130,7 @@ async def search(measure: Measure, start: float, min_load: float, max_load: floa
     else:
         hi = x
         while len(points) < max_points and hi > min_load:
-            x = max(hi / factor, min_load)
+            x = await advised(max(hi / factor, min_load), up=False)
             factor = min(factor * factor, max(step, 2.0))
             if await probe(x):
                 lo = x

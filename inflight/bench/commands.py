@@ -375,7 +375,7 @@ HOST_PROBE_S = 3.0
 
 def calibration(args, command: str | None, load: LoadConfig, dataset: DatasetConfig, base: ArrivalConfig,
                 slo: SLO, space: SearchSpace, th: Thresholds, value=None):
-    """``--calibrate``: the server command with ``--step-log`` added, the ``limit.Predict``
+    """``--calibrate``: the server command with ``--step-log`` added, the ``limit.Predictor``
     that ramps it, fits its steps and simulates the search, and the server pids it will
     read (filled by ``connector``). ValueError where calibration cannot run."""
     if getattr(args, "simulate", None):
@@ -384,7 +384,7 @@ def calibration(args, command: str | None, load: LoadConfig, dataset: DatasetCon
         raise ValueError("--calibrate needs --serve-cmd 'inflight serve ...': it adds --step-log to the "
                          "server command to fit the server's own steps")
     from inflight.sim.bench import parse_serve_command
-    from inflight.sim.calibrate import make_predictor
+    from inflight.sim.calibrate import CalibratedPredictor
 
     parse_serve_command(command)  # ValueError: not an inflight server
     folder = args.report or args.server_log_dir
@@ -396,8 +396,8 @@ def calibration(args, command: str | None, load: LoadConfig, dataset: DatasetCon
     profile = os.path.join(folder, f"profile-{_safe(value or 'server')}.json")
     command = f"{command} --step-log {shlex.quote(step_log)}"
     pids: list[int] = []
-    predict = make_predictor(step_log, command, load, dataset, base, slo, space, th, pids, profile_out=profile)
-    return command, predict, pids
+    predictor = CalibratedPredictor(step_log, command, load, dataset, base, slo, space, th, pids, profile_out=profile)
+    return command, predictor, pids
 
 
 async def capacity(args) -> int:
@@ -413,7 +413,7 @@ async def capacity(args) -> int:
             if getattr(args, "calibrate", False):
                 command, predict, pids = calibration(args, command, load, dataset, base, slo, space, th, value)
             res = await find_limit(connector(args, load, dataset, stack, command, value or "server", pids), base,
-                                   slo, space, th, label=value, predict=predict)
+                                   slo, space, th, label=value, predictor=predict)
             res.command = command
         results.append(res)
         print(("SIMULATED " if args.simulate else "") + limit_line(res, space.by_scale))

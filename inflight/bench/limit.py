@@ -86,7 +86,13 @@ class Prediction:
                 "notes": self.notes, "seconds": self.seconds, **self.details}
 
 
-Predict = Callable[[Session], Awaitable[Prediction]]
+class Predictor(Protocol):
+    """Predicts a configuration's operating limit before its real search
+    (``sim.calibrate.CalibratedPredictor``): ``predict`` once (it may load the server to
+    learn it), ``refine`` after the search's first point, with what the server did there."""
+
+    async def predict(self, session: Session) -> Prediction: ...
+    async def refine(self, session: Session) -> Prediction: ...
 
 
 @dataclass
@@ -206,13 +212,15 @@ Connect = Callable[[], Awaitable[Session]]
 
 async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: SearchSpace,
                      thresholds: Thresholds, label: str | None = None, cache: PointCache | None = None,
-                     hold: bool = True, log=None, predict: Predict | None = None) -> LimitResult:
+                     hold: bool = True, log=None, predictor: Predictor | None = None) -> LimitResult:
     """Search ``space.repeats`` times for the highest sustained load, each search's limit
     then held for ``space.hold_duration`` s (unless ``hold`` is False or it is unset; see
     ``capacity``). ``connect`` returns the session (starting the server where needed); it is
-    called only when a point is measured, not replayed from ``cache``. ``predict``: first
+    called only when a point is measured, not replayed from ``cache``. ``predictor``: first
     predict the limit (``Prediction``); where usable, each search starts there and steps by
-    ``1 + tolerance`` (verify around it) instead of from ``space.start`` by doubling.
+    ``1 + tolerance`` (verify around it) instead of from ``space.start`` by doubling, and
+    its second point goes where the prediction refined by the first point says
+    (``capacity.search``'s ``advise``).
     """
     log = log or sys.stderr
     session: Session | None = None
@@ -240,19 +248,28 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
         return measure
 
     prediction: Prediction | None = None
+    refined: list[Prediction] = []
     start, step = min(max(space.start, space.lo), space.hi), 2.0
-    if predict is not None:
+    if predictor is not None:
         if session is None:
             session = await connect()
-        prediction = await predict(session)
+        prediction = await predictor.predict(session)
         _print_prediction(log, space, prediction)
         if prediction.usable and prediction.limit is not None:
             start, step = min(max(prediction.limit, space.lo), space.hi), 1 + space.tolerance
+
+    async def advise() -> float | None:
+        if predictor is None or prediction is None or not prediction.usable or session is None:
+            return None
+        again = await predictor.refine(session)
+        refined.append(again)
+        _print_prediction(log, space, again, refined=True)
+        return again.limit if again.usable else None
     holding = hold and bool(space.hold_duration)
     limits, above, curve, bounded = [], [], [], True
     for rep in range(space.repeats):
         res = await cap.search(measure_with(rep, False), start, space.lo, space.hi, space.tolerance,
-                               space.max_points, step)
+                               space.max_points, step, advise if rep == 0 else None)
         limit, first_fail = res.limit, res.failed_above
         bounded &= res.bounded
         curve += [{**p.to_json(), "repeat": rep, "x": space.x(p.load), "held": False} for p in res.points]
@@ -266,19 +283,25 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
         above.append(space.x(first_fail))
     if not fixed and cache is not None:
         fixed = cache.fixed or {}
+    if prediction is not None and refined:
+        prediction.details["refined"] = [r.to_json() for r in refined]
     return LimitResult(label, limits, above, bounded, curve, fixed, held=holding, prediction=prediction,
                        targets={f"{m}_{st}": t for (m, st), t in slo.aggregate.items()})
 
 
-def _print_prediction(log, space: SearchSpace, p: Prediction) -> None:
+def _print_prediction(log, space: SearchSpace, p: Prediction, refined: bool = False) -> None:
     unit = "time scale" if space.by_scale else "req/s"
     if p.limit is None:
         head = "no load met the SLO in the simulation"
     else:
         above = "" if p.failed_above is None else f" (fails at {space.x(p.failed_above):.4g})"
         head = f"{space.x(p.limit):.4g} {unit}{above}"
-    use = "verifying around it" if p.usable else "NOT USED: searching as without --calibrate"
-    print(f"  predicted operating limit: {head}, in {p.seconds:.0f} s; {use}", file=log)
+    if refined:
+        use = "the next point goes there" if p.usable else "not used"
+        print(f"  refined with the first point's steps: {head}, in {p.seconds:.0f} s; {use}", file=log)
+    else:
+        use = "verifying around it" if p.usable else "NOT USED: searching as without --calibrate"
+        print(f"  predicted operating limit: {head}, in {p.seconds:.0f} s; {use}", file=log)
     for note in p.notes:
         print(f"      {note}", file=log)
     log.flush()

@@ -121,9 +121,10 @@ class HostLoad:
     steal: float
     busy: float
 
-    def is_busy(self, max_others: float = 0.2, max_steal: float = 0.05) -> bool:
+    def is_busy(self, max_others: float = 0.2, max_steal: float = 0.10) -> bool:
         """Other processes took more than ``max_others`` of a core, or the host more than
-        ``max_steal`` of the time (the defaults: noise on an idle VM stays well under both)."""
+        ``max_steal`` of the time (the search's own 10 % tolerance; an idle VM stays well under
+        both)."""
         return self.others_cores > max_others or self.steal > max_steal
 
     def describe(self) -> str:

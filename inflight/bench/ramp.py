@@ -7,8 +7,10 @@ of light load extrapolates and misses (docs/simulator.md). So the ramp sends the
 request mix with Poisson arrivals whose rate doubles every ``segment_s`` seconds from
 ``start_rate`` until the in-flight count grows by more than ``saturated_growth`` of a
 segment's arrivals within one segment (the server no longer keeps up), runs one more
-segment at that rate, and stops: every request still running is cancelled (the server
-aborts it). Nothing here is a verdict; the ramp's records only say where it stopped.
+segment at that rate, and stops sending. It then lets the requests in flight finish for up
+to ``drain_s`` seconds (the batch decodes down from its largest size: decode-only steps of
+every size, which loaded steps rarely are) and cancels the rest (the server aborts them).
+Nothing here is a verdict; the ramp's records only say where it stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from inflight.bench.client import RequestRecord
+from inflight.bench.datasets import RequestSpec
 from inflight.bench.runner import Session, _send, mark_cancelled, wait_idle
 from inflight.bench.sustain import in_flight_at
 
@@ -35,6 +38,9 @@ class RampResult:
     completed: int
     seconds: float
     growth: list[float] = field(default_factory=list)  # in-flight growth per segment
+    # (spec, output tokens the server generated) of each completed request: where this
+    # server's outputs end (its EOS, not the dataset's max_tokens)
+    outputs: list[tuple[RequestSpec, int]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
         return {"rates": self.rates, "saturated_at": self.saturated_at, "sent": self.sent,
@@ -49,7 +55,7 @@ def ramp_offsets(rate: float, segment_s: float, seed: int) -> np.ndarray:
 
 
 async def run_ramp(session: Session, start_rate: float, segment_s: float = 15.0, max_segments: int = 8,
-                   saturated_growth: float = 0.2, seed: int = 0) -> RampResult:
+                   saturated_growth: float = 0.2, seed: int = 0, drain_s: float = 20.0) -> RampResult:
     """Run the ramp (module doc) against the session's server; returns what it did.
 
     Raises:
@@ -66,6 +72,7 @@ async def run_ramp(session: Session, start_rate: float, segment_s: float = 15.0,
     saturated_at: float | None = None
     rate, begin = start_rate, 0.0
     spec_i = 0
+    sent: list[RequestSpec] = []
     try:
         for k in range(max_segments):
             rates.append(rate)
@@ -77,6 +84,7 @@ async def run_ramp(session: Session, start_rate: float, segment_s: float = 15.0,
                     await asyncio.sleep(delay)
                 spec = session.specs[spec_i % len(session.specs)]
                 spec_i += 1
+                sent.append(spec)
                 record = RequestRecord(len(records), float(off), warmup=True, phase="calibration")
                 records.append(record)
                 tasks.append(asyncio.create_task(_send(session, spec, record, clock)))
@@ -94,6 +102,12 @@ async def run_ramp(session: Session, start_rate: float, segment_s: float = 15.0,
                 saturated_at = rate
                 continue  # one more segment at this rate: steady saturated steps
             rate *= 2
+        # Drain: no more arrivals; the queued prompts are prefilled, then the batch decodes
+        # down from its largest size, so the log covers decode-only steps of every batch
+        # size (under load nearly every step also carries a prompt chunk).
+        pending = [t for t in tasks if not t.done()]
+        if pending and drain_s > 0:
+            await asyncio.wait(pending, timeout=drain_s)
     finally:
         now = clock()
         for t in tasks:
@@ -103,8 +117,9 @@ async def run_ramp(session: Session, start_rate: float, segment_s: float = 15.0,
             if t.cancelled():
                 mark_cancelled(r, now)
     await wait_idle(session)
+    outputs = [(spec, r.output_tokens) for spec, r in zip(sent, records) if r.success and r.output_tokens]
     return RampResult(rates, saturated_at, len(records), sum(1 for r in records if r.success),
-                      clock(), growth)
+                      clock(), growth, outputs)
 
 
 def _open(record: RequestRecord, now: float) -> RequestRecord:

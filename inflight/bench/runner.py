@@ -457,8 +457,9 @@ async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = 
             if not goes_on(verdict, arrival):
                 break
             history.append(look_summary(verdict, w))
-            logger.info("undecided after a %.0f s window (%s): extending", w.seconds,
-                        ", ".join(verdict.evidence["undecided"]))
+            if verdict.state == UNDECIDED:
+                logger.info("undecided after a %.0f s window (%s): extending", w.seconds,
+                            ", ".join(verdict.evidence["undecided"]))
         ended = clock()
         send_task.cancel()
         for t in tasks:

@@ -301,7 +301,7 @@ def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemption
     for key, state, text in (("throughput", rate_state, rate_text), ("queue", queue_state, queue_text)):
         if state == FAIL or (state == UNDECIDED and final):
             causes.append(key)
-            reasons.append(text + (" (undecided at the last look)" if state == UNDECIDED else ""))
+            reasons.append(text + (" (not conclusive on its own)" if state == UNDECIDED else ""))
         elif state == UNDECIDED:
             undecided.append(key)
     for key, iv in intervals.items():
@@ -316,7 +316,7 @@ def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemption
                            f"{th.confidence:.0%} confidence)")
         else:
             reasons.append(f"{key} {_ms(iv['estimate'])} (upper {_ms(iv['hi'])}) > {_ms(iv['target'])}"
-                           + (" (undecided at the last look)" if iv["state"] == UNDECIDED else ""))
+                           + (" (not conclusive on its own)" if iv["state"] == UNDECIDED else ""))
     if failed:
         causes.append("failures")
         first = (failed[0].error or "unknown error")[:120]

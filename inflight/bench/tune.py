@@ -341,7 +341,7 @@ async def tune(args) -> int:
                     served, predict, pids = calibration(args, command, load, dataset, base, slo, space, th, label)
                 res = await find_limit(connector(args, load, dataset, stack, served, label, pids), base, slo,
                                        space, th, label=label, cache=state.cache(command), hold=hold,
-                                       predict=predict)
+                                       predictor=predict)
             res.command = command
             measured[(command, hold)] = res
             print(limit_line(res, space.by_scale), file=sys.stderr)

@@ -20,6 +20,7 @@ import re
 import shlex
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +95,33 @@ class SimSetup:
     model_name: str
     command: str | None
     noise: bool = True
+    # Where the served model's outputs end (``calibrate_outputs``): per request, and as
+    # fractions of max_tokens for requests never seen; empty: at the dataset's lengths.
+    output_lengths: dict[tuple[str, int], int] = field(default_factory=dict, repr=False)
+    output_fractions: list[float] = field(default_factory=list, repr=False)
     # id(spec) -> (spec, its prompt ids); holding the spec keeps its id from being reused
     _ids: dict[int, tuple[RequestSpec, list[int]]] = field(default_factory=dict, repr=False)
+
+    def calibrate_outputs(self, outputs: list[tuple[RequestSpec, int]]) -> None:
+        """Learn where a real server's outputs end: ``(spec, output tokens)`` of requests it
+        completed. A request of the mix it answered ends there in the simulation; another
+        one (not ``ignore_eos``) at a fraction of its ``max_tokens`` drawn, by its text,
+        from those seen. Without this the simulator runs every output to ``max_tokens``
+        and predicts a lower limit than a server that stops at its EOS reaches."""
+        for spec, n in outputs:
+            if not spec.ignore_eos:
+                self.output_lengths[_spec_key(spec)] = n
+                self.output_fractions.append(min(1.0, n / max(1, spec.output_len)))
+
+    def output_len(self, spec: RequestSpec) -> int:
+        """Tokens ``spec`` generates in the simulation (see :meth:`calibrate_outputs`)."""
+        if spec.ignore_eos or not self.output_fractions:
+            return spec.output_len
+        key = _spec_key(spec)
+        if key in self.output_lengths:
+            return min(self.output_lengths[key], spec.output_len)
+        pick = zlib.crc32(key[0].encode()) % len(self.output_fractions)
+        return max(1, round(self.output_fractions[pick] * spec.output_len))
 
     def simulator(self, load: LoadConfig, seed: int = 0) -> Simulator:
         return Simulator(self.config, self.profile, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
@@ -131,6 +157,10 @@ class SimSetup:
                            "max_num_waiting": self.max_num_waiting}}
 
 
+def _spec_key(spec: RequestSpec) -> tuple[str, int]:
+    return (spec.as_text(), spec.output_len)
+
+
 def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router: str = "prefix_affinity",
               ) -> SimSetup:
     """Load the profile and resolve the engine settings (``command``'s, else the profile's).
@@ -147,7 +177,7 @@ def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router:
     if router not in ROUTERS:
         raise ValueError(f"--router: unknown policy {router!r} (choose from {', '.join(ROUTERS)})")
     profile = load_profile(profile_path)
-    for note in profile_warnings(profile):
+    for note, _ in profile_warnings(profile):
         print(f"WARNING: {profile_path}: {note}", file=sys.stderr)
     eng = profile.engine
     extra: dict[str, Any] = {"max_num_waiting": eng.get("max_num_waiting", 512), "served_model_name": None}
@@ -208,7 +238,7 @@ async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | No
     # A multi-turn mix: follow-ups carry their history, stand-in answers for the real ones.
     sent = with_stand_in_answers([s.spec for s in slots])
     reqs = [SimRequest(i, s.offset, setup.prompt_ids(s.spec, session.endpoint, x), s.spec.output_len,
-                       s.spec.output_len, s.spec.ignore_eos,
+                       setup.output_len(s.spec), s.spec.ignore_eos,
                        watched=window is not None and s.phase == "sample",
                        not_after_done=s.phase == "cooldown")
             for i, (s, x) in enumerate(zip(slots, sent))]

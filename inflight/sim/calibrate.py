@@ -53,45 +53,63 @@ def fit_step_log(path: str | pathlib.Path, host: dict | None = None) -> tuple[St
     return profile, errors
 
 
-def make_predictor(step_log: str | pathlib.Path, command: str, load: LoadConfig, dataset: DatasetConfig,
-                   base: ArrivalConfig, slo: SLO, space: SearchSpace, thresholds: Thresholds,
-                   pids: Sequence[int] = (), ramp_start: float | None = None,
-                   profile_out: str | pathlib.Path | None = None):
-    """A ``limit.Predict`` for the server started by ``command`` and logging its steps to
-    ``step_log`` (module doc). ``pids``: the server's processes (ours, for the host check);
-    ``ramp_start``: the ramp's first rate in req/s (default: half the search's start rate);
-    ``profile_out``: where to save the fitted profile (for ``--simulate`` what-ifs)."""
+class CalibratedPredictor:
+    """A ``limit.Predictor`` for the server started by ``command``, logging its steps to
+    ``step_log`` (module doc). ``pids``: the server's processes (ours, for the host check;
+    filled when it starts); ``ramp_start``: the ramp's first rate in req/s (default: half
+    the search's start load); ``profile_out``: where the fitted profile is saved (for
+    ``--simulate`` what-ifs afterwards)."""
 
-    async def predict(session: Session) -> Prediction:
+    def __init__(self, step_log: str | pathlib.Path, command: str, load: LoadConfig, dataset: DatasetConfig,
+                 base: ArrivalConfig, slo: SLO, space: SearchSpace, thresholds: Thresholds,
+                 pids: Sequence[int] = (), ramp_start: float | None = None,
+                 profile_out: str | pathlib.Path = "profile-calibrated.json") -> None:
+        self.step_log, self.command, self.pids = step_log, command, pids
+        self.load, self.dataset, self.base, self.slo = load, dataset, base, slo
+        self.space, self.thresholds = replace(space, repeats=1), thresholds
+        self.ramp_start, self.profile_out = ramp_start, profile_out
+        self.outputs: list = []
+        self.host: dict | None = None
+
+    async def predict(self, session: Session) -> Prediction:
+        """Ramp the server to saturation (``bench.ramp``), fit its steps, simulate."""
         t0 = time.perf_counter()
-        monitor = HostMonitor(pids).start()
-        start = ramp_start or _ramp_rate(session, space, base)
-        ramp = await run_ramp(session, start, seed=base.seed)
-        host_load = monitor.stop()
-        host = host_load.to_json() if host_load else None
-        profile, errors = fit_step_log(step_log, host)
-        if profile_out is not None:
-            save_profile(profile_out, profile)
-        notes = profile_warnings(profile)
-        if profile_out is None:
-            raise ValueError("make_predictor needs profile_out")
+        monitor = HostMonitor(self.pids).start()
+        start = self.ramp_start or _ramp_rate(session, self.space)
+        ramp = await run_ramp(session, start, seed=self.base.seed)
+        load = monitor.stop()
+        self.host = load.to_json() if load else None
+        self.outputs = list(ramp.outputs)
+        return await self._simulate(t0, {"ramp": ramp.to_json()})
+
+    async def refine(self, session: Session) -> Prediction:
+        """Fit again with every step logged so far (the search's first point ran near the
+        limit: steady steps of the shapes that decide it), simulate again."""
+        return await self._simulate(time.perf_counter(), {})
+
+    async def _simulate(self, t0: float, details: dict) -> Prediction:
+        profile, errors = fit_step_log(self.step_log, self.host)
+        save_profile(self.profile_out, profile)
+        warnings = profile_warnings(profile)
+        notes = [note for note, _ in warnings]
+        blocking = any(block for _, block in warnings)
         quiet = io.StringIO()  # the notes say what the profile's warnings would
         with contextlib.redirect_stderr(quiet):
-            setup = sim_setup(str(profile_out), command)
-            sim_session = await open_sim_session(load, dataset, setup)
-            res = await find_limit(_connect(sim_session), base, slo, replace(space, repeats=1), thresholds,
+            setup = sim_setup(str(self.profile_out), self.command)
+            setup.calibrate_outputs(self.outputs)
+            sim_session = await open_sim_session(self.load, self.dataset, setup)
+            res = await find_limit(_connect(sim_session), self.base, self.slo, self.space, self.thresholds,
                                    log=quiet)
         found, first_fail = res.limits[0], res.failed_above[0]
-        limit = None if found is None else _load(space, found)
-        above = None if first_fail is None else _load(space, first_fail)
+        limit = None if found is None else _load(self.space, found)
+        above = None if first_fail is None else _load(self.space, first_fail)
         if limit is None:
             notes.append("the simulation found no load that meets the SLO")
-        details = {"ramp": ramp.to_json(), "host": host, "fit": errors,
-                   "profile": None if profile_out is None else str(profile_out),
+            blocking = True
+        details = {**details, "host": self.host, "fit": errors, "outputs_learned": len(setup.output_lengths),
+                   "profile": str(self.profile_out),
                    "simulated_points": [{k: p[k] for k in ("x", "passed", "held", "reasons")} for p in res.curve]}
-        return Prediction(limit, above, not notes and limit is not None, notes, time.perf_counter() - t0, details)
-
-    return predict
+        return Prediction(limit, above, not blocking, notes, time.perf_counter() - t0, details)
 
 
 def _connect(session: Session):
@@ -105,7 +123,7 @@ def _load(space: SearchSpace, x: float) -> float:
     return 1 / x if space.by_scale else x
 
 
-def _ramp_rate(session: Session, space: SearchSpace, base: ArrivalConfig) -> float:
+def _ramp_rate(session: Session, space: SearchSpace) -> float:
     """Half the search's start load in req/s (a trace's load is 1 / time scale times its
     own mean rate)."""
     if not space.by_scale:

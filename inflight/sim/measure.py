@@ -96,7 +96,7 @@ def run_profile(args: argparse.Namespace) -> int:
     profile.created_at = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     save_profile(args.output, profile)
     print(f"wrote {args.output}: {profile.describe()}")
-    for note in profile_warnings(profile):
+    for note, _ in profile_warnings(profile):
         print(f"WARNING: {note}; a simulation on this profile predicts that, not this server "
               f"(measure again on an idle machine)", file=sys.stderr)
     return 0

@@ -100,7 +100,7 @@ def test_a_straddling_p95_is_undecided_then_fails_at_the_last_look():
     assert iv["lo"] <= 0.95 < iv["hi"] and iv["state"] == UNDECIDED
     assert look.state == UNDECIDED and look.evidence["undecided"] == ["ttft_p95"]
     last = judge(recs, FIRST, slo, final=True)
-    assert last.state == FAIL and "undecided at the last look" in last.reasons[0]
+    assert last.state == FAIL and "not conclusive on its own" in last.reasons[0]
     assert judge(recs, FIRST, parse_slo("ttft_p95=2"), final=False).state == PASS
 
 
@@ -153,7 +153,7 @@ def test_a_clear_point_takes_one_look_and_an_undecided_one_all(spread_ttft_serve
     point, v = _point(spread_ttft_server, data_dir, "ttft_p95=0.74", 2)
     assert [lk["state"] for lk in v.evidence["looks"]] == [UNDECIDED, UNDECIDED, FAIL]
     assert [lk["seconds"] for lk in v.evidence["looks"]] == pytest.approx([2.0, 4.0, 6.0])
-    assert "undecided at the last look" in v.reasons[0]
+    assert "not conclusive on its own" in v.reasons[0]
     sample = [r for r in point.records if r.phase == "sample"]
     assert len(sample) == 3 * 80  # each extension: as many arrivals as the first window
     assert all(point.window.start <= r.scheduled_time < point.window.end for r in sample)
@@ -217,3 +217,25 @@ def test_host_monitor_counts_other_processes_not_ours():
     # The busy child is ours now: what is left is the rest of this machine.
     assert load is not None and load.others_cores < 0.5, load
     assert os.cpu_count() == load.cores
+
+
+def test_a_refined_prediction_moves_the_second_point_only_further_out():
+    def run(limit, start, guess):
+        calls = []
+
+        async def measure(load):
+            calls.append(load)
+            return cap.PointOutcome(load, load <= limit)
+
+        async def advise():
+            return guess
+        res = asyncio.run(cap.search(measure, start, 0.05, 1000.0, tolerance=0.1, step=1.1, advise=advise))
+        return calls, res
+    calls, res = run(6.3, 5.0, 6.2)  # passed at 5.0; the refined guess 6.2 beats the 1.1 step
+    assert calls[:3] == [5.0, 6.2, pytest.approx(6.2 * 1.21)] and 6.3 / 1.1 <= res.limit <= 6.3
+    calls, _ = run(6.3, 5.0, 5.2)  # a guess closer than one step: the step
+    assert calls[:2] == [5.0, pytest.approx(5.5)]
+    calls, res = run(4.1, 5.0, 4.0)  # failed at 5.0: down to the guess, then bisected
+    assert calls[:2] == [5.0, 4.0] and res.limit == 4.0 and res.failed_above < 4.0 * 1.1
+    calls, _ = run(3.9, 5.0, 7.0)  # a guess on the wrong side of the verdict is ignored
+    assert calls[:2] == [5.0, pytest.approx(5.0 / 1.1)]
