@@ -6,7 +6,9 @@ parser is in :mod:`inflight.bench.cli`."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as dt
+import io
 import math
 import os
 import shlex
@@ -17,7 +19,7 @@ from inflight.bench.client import make_client
 from inflight.bench.datasets import DatasetConfig
 from inflight.bench.report import (format_summary, plot_capacity, plot_run, plot_sweep, point_row,
                                    write_csv, write_json)
-from inflight.bench.limit import SearchSpace, find_limit, limit_line
+from inflight.bench.limit import LimitResult, SearchSpace, find_limit, limit_line
 from inflight.bench.machine import HostLoad, describe_machine, probe_host
 from inflight.bench.report_page import write_report
 from inflight.bench.runner import ArrivalConfig, LoadConfig, PointResult, Session, open_session, records_json, run_point
@@ -421,6 +423,8 @@ async def capacity(args) -> int:
            "slo": slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
            "arrival": base.describe(), "thresholds": th.__dict__.copy(), "preemption_threshold": th.preemption_threshold,
            "results": [r.to_json() for r in results]}
+    if args.simulate and args.replicas > 1:
+        doc["one_replica"] = await _one_replica_baseline(args, load, dataset, base, slo, space, th, results)
     out = result_path(args, "capacity", args.model)
     if out:
         write_json(out, doc)
@@ -431,6 +435,57 @@ async def capacity(args) -> int:
         path = write_report(args.report, doc)
         print(f"report: {path}")
     return 0 if all(r.spread["found"] for r in results) else 1
+
+
+async def _one_replica_baseline(args, load: LoadConfig, dataset: DatasetConfig, base: ArrivalConfig, slo: SLO,
+                                space: SearchSpace, th: Thresholds, results: list[LimitResult]) -> list[dict]:
+    """A simulated what-if with N replicas is compared with one replica on the same
+    profile, workload and engine (one thing changed). N replicas predicting a lower limit
+    than one is said, with how the router spread the work where N failed."""
+    one = copy.copy(args)
+    one.replicas, one.router = 1, "prefix_affinity"
+    out = []
+    for value, res in zip(_values(args), results):
+        command = args.serve_cmd.replace("{value}", str(value)) if args.serve_cmd else None
+        async with contextlib.AsyncExitStack() as stack:
+            base_res = await find_limit(connector(one, load, dataset, stack, command, value or "server"), base, slo,
+                                        space, th, label=value, log=io.StringIO())
+        n, single = res.spread["mean"], base_res.spread["mean"]
+        line = (f"SIMULATED {args.replicas} replicas: {_f4(n)}; one replica on the same profile: {_f4(single)}"
+                + (f" ({n / single:.2f}x)" if n and single else ""))
+        why = None
+        if single is not None and (n is None or n < single):
+            why = _imbalance(res)
+            line += (f". {args.replicas} replicas predict LESS than one: {why}" if why else
+                     f". {args.replicas} replicas predict LESS than one; the router spread the work evenly, so the "
+                     f"difference is the simulation's noise draws (a profile with a poor fit or a busy host makes "
+                     f"them large: see its warnings)")
+        print(line)
+        out.append({"value": value, "replicas": args.replicas, "limit": n, "one_replica_limit": single,
+                    "explanation": why})
+    return out
+
+
+def _imbalance(res: LimitResult) -> str | None:
+    """How unevenly the replicas worked at the first failing point above the limit, if
+    one replica did most of it (the router's doing, not the machine's)."""
+    above = [p for p in res.curve if not p["passed"]]
+    if not above:
+        return None
+    point = min(above, key=lambda p: p["load"])
+    reps = (((point.get("summary") or {}).get("simulation") or {}).get("replicas")) or []
+    tokens = [r.get("generation_tokens", 0) for r in reps]
+    if len(tokens) < 2 or not sum(tokens):
+        return None
+    share = max(tokens) / sum(tokens)
+    if share < 1.5 / len(tokens):
+        return None
+    return (f"at {point['x']:.4g} the router ({res.fixed.get('server_info', {}).get('simulation', {}).get('router')}) "
+            f"gave one replica {share:.0%} of the generated tokens")
+
+
+def _f4(v: float | None) -> str:
+    return "none" if v is None else f"{v:.4g}"
 
 
 COMMANDS = {"serve": serve, "sweep": sweep, "capacity": capacity}

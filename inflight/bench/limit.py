@@ -297,7 +297,7 @@ def _print_prediction(log, space: SearchSpace, p: Prediction, refined: bool = Fa
         above = "" if p.failed_above is None else f" (fails at {space.x(p.failed_above):.4g})"
         head = f"{space.x(p.limit):.4g} {unit}{above}"
     if refined:
-        use = "the next point goes there" if p.usable else "not used"
+        use = "the next point goes there if it is past one step" if p.usable else "not used"
         print(f"  refined with the first point's steps: {head}, in {p.seconds:.0f} s; {use}", file=log)
     else:
         use = "verifying around it" if p.usable else "NOT USED: searching as without --calibrate"

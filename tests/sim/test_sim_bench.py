@@ -78,6 +78,24 @@ def test_capacity_simulated_is_repeatable_and_bounded(profile_path, tmp_path):
     assert limit("b")[1]["limits"] == res["limits"]
 
 
+def test_a_replica_what_if_is_compared_with_one_replica(profile_path, tmp_path, capsys):
+    """One thing changed against the same baseline: two replicas on the same profile,
+    workload and engine, and one; two never predict less than one here (each replica has
+    the whole profile's speed and the router spreads the load)."""
+    out = tmp_path / "two.json"
+    rc = main(["bench", "capacity", "--simulate", str(profile_path), *COMMON, "--num-prompts", "60",
+               "--duration", "30", "--hold-duration", "0", "--slo", "ttft_p95=1,itl_p95=0.2",
+               "--rate-start", "2", "--replicas", "2", "--router", "round_robin", "--save-result", str(out),
+               "--serve-cmd", "inflight serve --port 8000 --max-num-seqs 8"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    (base,) = doc["one_replica"]
+    assert base["replicas"] == 2 and base["limit"] == doc["results"][0]["spread"]["mean"]
+    assert base["one_replica_limit"] is not None and base["limit"] >= base["one_replica_limit"]
+    assert base["explanation"] is None
+    assert "one replica on the same profile" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command, message", [
     ("python -m http.server", "is not one"),
     ("vllm serve --max-num-seqs 2", "is not one"),
