@@ -257,6 +257,9 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
         _print_prediction(log, space, prediction)
         if prediction.usable and prediction.limit is not None:
             start, step = min(max(prediction.limit, space.lo), space.hi), 1 + space.tolerance
+            note = long_window_note(space, base, start)
+            if note:
+                print(f"  {note}", file=log)
 
     async def advise() -> float | None:
         if predictor is None or prediction is None or not prediction.usable or session is None:
@@ -287,6 +290,19 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
         prediction.details["refined"] = [r.to_json() for r in refined]
     return LimitResult(label, limits, above, bounded, curve, fixed, held=holding, prediction=prediction,
                        targets={f"{m}_{st}": t for (m, st), t in slo.aggregate.items()})
+
+
+def long_window_note(space: SearchSpace, base: ArrivalConfig, load: float) -> str | None:
+    """Say up front when points near ``load`` (req/s) take much longer than ``--duration``:
+    a window lasts until ``min_requests`` arrivals (the fewest that bound the p95s), so at
+    a low limit the run's time is set by the rate, not the flag. None when it is not so."""
+    if space.by_scale or not base.duration or not base.min_requests or load <= 0:
+        return None
+    window = base.min_requests / load
+    if window <= 1.5 * base.duration:
+        return None
+    return (f"at {load:.4g} req/s a window of {base.min_requests} requests lasts about {window:.0f} s "
+            f"(--duration {base.duration:g} s): each point, and each extension, takes that long")
 
 
 def _print_prediction(log, space: SearchSpace, p: Prediction, refined: bool = False) -> None:

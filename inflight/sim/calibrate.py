@@ -35,6 +35,9 @@ from inflight.sim.profile import (StepProfile, fit_cost_model, profile_warnings,
                                   summary_line)
 from inflight.sim.steplog import read_step_logs
 
+SIMULATED_MAX_HOLDS = 12  # 1.1**-12: down to a third of the search's limit
+
+
 def fit_step_log(path: str | pathlib.Path, host: dict | None = None) -> tuple[StepProfile, dict]:
     """A serving profile fitted to a step log, and its fit errors by step kind (mean and
     p95 |error| in %, steps); ``host``: the host's load while it was logged (saved in the
@@ -66,7 +69,10 @@ class CalibratedPredictor:
                  profile_out: str | pathlib.Path = "profile-calibrated.json") -> None:
         self.step_log, self.command, self.pids = step_log, command, pids
         self.load, self.dataset, self.base, self.slo = load, dataset, base, slo
-        self.space, self.thresholds = replace(space, repeats=1), thresholds
+        # Simulated holds cost seconds: step down until one holds (a real search's few
+        # holds can all fail near a metastable limit, which would leave no prediction).
+        self.space = replace(space, repeats=1, max_holds=max(space.max_holds, SIMULATED_MAX_HOLDS))
+        self.thresholds = thresholds
         self.ramp_start, self.profile_out = ramp_start, profile_out
         self.outputs: list = []
         self.host: dict | None = None

@@ -18,7 +18,7 @@ from test_bench_capacity import fake_session
 
 from inflight.bench import capacity as cap
 from inflight.bench.client import RequestRecord, make_client
-from inflight.bench.limit import crossings
+from inflight.bench.limit import SearchSpace, crossings, long_window_note
 from inflight.bench.machine import HostMonitor
 from inflight.bench.runner import ArrivalConfig, view_at
 from inflight.bench.stats import parse_slo
@@ -195,6 +195,16 @@ def test_a_search_started_at_a_good_prediction_verifies_it_in_two_points():
     res = asyncio.run(cap.search(measure, 3.6, 0.05, 1000.0, tolerance=0.1, step=1.1))
     assert calls[:3] == [3.6, pytest.approx(3.96), pytest.approx(3.96 * 1.21)]
     assert 5.2 / 1.1 <= res.limit <= 5.2 and len(calls) <= 6
+
+
+def test_a_low_limit_says_its_windows_are_long():
+    space = SearchSpace(by_scale=False, start=1.0, lo=0.05, hi=100.0)
+    base = ArrivalConfig(duration=60.0, min_requests=100)
+    # 100 requests at 0.125 req/s: 800 s, not 60 s.
+    assert "lasts about 800 s (--duration 60 s)" in long_window_note(space, base, 0.125)
+    assert long_window_note(space, base, 1.2) is None  # 83 s: within 1.5 x 60 s
+    assert long_window_note(space, ArrivalConfig(duration=60.0), 0.125) is None  # no minimum sample
+    assert long_window_note(SearchSpace(by_scale=True, start=1.0, lo=0.05, hi=100.0), base, 0.125) is None
 
 
 def test_host_monitor_counts_other_processes_not_ours():
