@@ -29,15 +29,11 @@ import json
 import os
 import pathlib
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import time
 
-from inflight.bench.machine import describe_machine
+from _runs import REPO, run_bounded, stop_on_signals
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SLO = "ttft_p95=2,itl_p95=1"
 
 # The request mixes: lengths scaled to a 135M model on 2 cores, natural EOS.
@@ -70,21 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args, cmd: list[str], log_file: pathlib.Path) -> dict:
-    """Run a bench command (bounded), its output to ``log_file``; what it cost."""
-    print(f"\n$ {shlex.join(cmd)}", flush=True)
-    before, t0 = describe_machine(), time.monotonic()
-    with open(log_file, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=args.command_timeout)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-            proc.terminate()  # the bench stops its server on SIGTERM (exit 143)
-            rc = proc.wait(timeout=60)
-            if isinstance(e, KeyboardInterrupt):
-                raise
-    print(log_file.read_text()[-1500:], flush=True)
-    return {"command": shlex.join(cmd), "exit": rc, "wall_s": round(time.monotonic() - t0, 1),
-            "loadavg_before": before.get("loadavg"), "loadavg_after": describe_machine().get("loadavg")}
+    return run_bounded(cmd, log_file, args.command_timeout, tail=1500)
 
 
 def bench_cmd(args, sub: str, workload: str, extra: list[str]) -> list[str]:
@@ -192,14 +174,9 @@ def validate(args, name: str, out: pathlib.Path) -> dict:
     return entry
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_signals()
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "summary.json"

@@ -26,14 +26,10 @@ import json
 import os
 import pathlib
 import shlex
-import signal
-import subprocess
 import sys
-import time
 
-from inflight.bench.machine import describe_machine
+from _runs import REPO, run_bounded, stop_on_signals
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKLOAD = ("--dataset trace --trace-file azure_llm_2023_conv_1815-1900.csv --length-scale 0.125 "
             "--max-input-len 256 --max-output-len 128 --ignore-eos")
 
@@ -59,20 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args, cmd: list[str], log_file: pathlib.Path) -> dict:
-    print(f"\n$ {shlex.join(cmd)}", flush=True)
-    before, t0 = describe_machine(), time.monotonic()
-    with open(log_file, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=args.command_timeout)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-            proc.terminate()
-            rc = proc.wait(timeout=60)
-            if isinstance(e, KeyboardInterrupt):
-                raise
-    print(log_file.read_text()[-1200:], flush=True)
-    return {"command": shlex.join(cmd), "exit": rc, "wall_s": round(time.monotonic() - t0, 1),
-            "loadavg_before": before.get("loadavg"), "loadavg_after": describe_machine().get("loadavg")}
+    return run_bounded(cmd, log_file, args.command_timeout, tail=1200)
 
 
 def common(args) -> list[str]:
@@ -117,7 +100,7 @@ def main(argv=None) -> int:
     if not ggufs:
         from inflight.model.bundled import find_bundled_model
         ggufs = {"q4_1": str(find_bundled_model())}
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    stop_on_signals()
     d = pathlib.Path(args.out).resolve()
     d.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -209,24 +209,21 @@ def test_a_low_limit_says_its_windows_are_long():
 
 def test_host_monitor_counts_other_processes_not_ours():
     busy = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\n"
-    other = subprocess.Popen([sys.executable, "-c", busy])
+    child = subprocess.Popen([sys.executable, "-c", busy])
     try:
-        m = HostMonitor().start()
+        # The same 1.2 s seen by two monitors: whatever else this machine runs is in both;
+        # the busy child is another process's CPU only to the one that is not told it is ours.
+        theirs = HostMonitor().start()
+        ours = HostMonitor([child.pid]).start()
         time.sleep(1.2)
-        load = m.stop()
+        seen_theirs, seen_ours = theirs.stop(), ours.stop()
     finally:
-        other.wait()
-    assert load is not None and load.others_cores > 0.5 and load.is_busy()
-    ours = subprocess.Popen([sys.executable, "-c", busy])
-    try:
-        m = HostMonitor([ours.pid]).start()
-        time.sleep(1.2)
-        load = m.stop()
-    finally:
-        ours.wait()
-    # The busy child is ours now: what is left is the rest of this machine.
-    assert load is not None and load.others_cores < 0.5, load
-    assert os.cpu_count() == load.cores
+        child.wait()
+    assert seen_theirs is not None and seen_ours is not None
+    # At least a third of a core even when this 2-core machine is shared with two more.
+    assert seen_theirs.others_cores - seen_ours.others_cores > 0.33, (seen_theirs, seen_ours)
+    assert seen_theirs.is_busy()
+    assert os.cpu_count() == seen_theirs.cores
 
 
 def test_a_refined_prediction_moves_the_second_point_only_further_out():
