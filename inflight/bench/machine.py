@@ -107,6 +107,12 @@ def _process_ticks(pid: int, tree: bool = True) -> int:
     return total
 
 
+# A host is busy above these (the search's own 10 % tolerance for stolen time; an idle VM
+# stays well under both). Also what makes a fitted profile untrusted (sim.profile).
+BUSY_OTHERS_CORES = 0.2
+BUSY_STEAL = 0.10
+
+
 @dataclass
 class HostLoad:
     """CPU time on this machine over an interval that processes other than ours took:
@@ -121,7 +127,7 @@ class HostLoad:
     steal: float
     busy: float
 
-    def is_busy(self, max_others: float = 0.2, max_steal: float = 0.10) -> bool:
+    def is_busy(self, max_others: float = BUSY_OTHERS_CORES, max_steal: float = BUSY_STEAL) -> bool:
         """Other processes took more than ``max_others`` of a core, or the host more than
         ``max_steal`` of the time (the search's own 10 % tolerance; an idle VM stays well under
         both)."""

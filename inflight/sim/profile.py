@@ -22,6 +22,7 @@ the model and the engine settings it ran with.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import pathlib
@@ -29,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, Sequence
 
 import numpy as np
+
+from inflight.bench.machine import BUSY_OTHERS_CORES, BUSY_STEAL
 
 PROFILE_KIND = "inflight-step-profile"
 PROFILE_VERSION = 1
@@ -167,7 +170,7 @@ class Fit:
 
     def draw_ratio(self, predicted: float, rng: np.random.Generator) -> float:
         """A measured ratio of a step of about this predicted duration: one of the
-        ``NOISE_NEIGHBOURS`` steps nearest in predicted seconds (on a log scale). A few
+        ``NOISE_NEIGHBOURS`` steps nearest in rank of predicted seconds. A few
         milliseconds of jitter is 40 % of an 8 ms decode step and 1 % of a 300 ms prefill:
         drawn from every step alike, small steps' jitter would scale up the long ones'
         (a simulated p95 ITL of 590 ms against 300 measured, issue 30). Profiles saved
@@ -176,19 +179,17 @@ class Fit:
             return 1.0
         if len(self.ratio_at) != len(self.ratios):
             return self.ratios[int(rng.integers(len(self.ratios)))]
-        order = self._order()
-        at = [self.ratio_at[i] for i in order]
-        k = min(NOISE_NEIGHBOURS, len(order))
-        mid = bisect.bisect_left(at, predicted)
-        lo = min(max(0, mid - k // 2), len(order) - k)
-        return self.ratios[order[lo + int(rng.integers(k))]]
+        at, ratios = self._by_predicted
+        k = min(NOISE_NEIGHBOURS, len(at))
+        lo = min(max(0, bisect.bisect_left(at, predicted) - k // 2), len(at) - k)
+        return ratios[lo + int(rng.integers(k))]
 
-    def _order(self) -> list[int]:
-        cached = getattr(self, "_sorted", None)
-        if cached is None or len(cached) != len(self.ratios):
-            cached = sorted(range(len(self.ratio_at)), key=self.ratio_at.__getitem__)
-            object.__setattr__(self, "_sorted", cached)
-        return cached
+    @functools.cached_property
+    def _by_predicted(self) -> tuple[list[float], list[float]]:
+        """(predicted seconds, ratio) of every measured step, sorted by predicted seconds:
+        once per profile, not per simulated step (a fit is not changed after it is made)."""
+        order = sorted(range(len(self.ratio_at)), key=self.ratio_at.__getitem__)
+        return [self.ratio_at[i] for i in order], [self.ratios[i] for i in order]
 
 
 NOISE_NEIGHBOURS = 50
@@ -430,8 +431,6 @@ def profile_warnings(profile: "StepProfile") -> list[tuple[str, bool]]:
     return notes
 
 
-BUSY_OTHERS_CORES = 0.2
-BUSY_STEAL = 0.10
 
 
 def summary_line(fit: Fit) -> str:
