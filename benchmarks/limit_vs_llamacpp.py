@@ -71,7 +71,7 @@ def inflight_limit(args, d: pathlib.Path, cycle: int) -> dict:
                d / f"inflight-{cycle}.log")
     res = json.loads(out.read_text())["results"][0] if out.exists() else {"limits": [None], "failed_above": [None]}
     return {"server": "inflight (make serve)", "limit": res["limits"][0], "failed_above": res["failed_above"][0],
-            "cycle": cycle, **info}
+            "configuration": f"{args.inflight} serve (defaults)", "cycle": cycle, **info}
 
 
 def llama_limit(args, d: pathlib.Path, cycle: int, label: str, gguf: str) -> dict:
@@ -84,7 +84,7 @@ def llama_limit(args, d: pathlib.Path, cycle: int, label: str, gguf: str) -> dic
     path = report / "tune.json"
     rec = json.loads(path.read_text())["recommended"] if path.exists() else {"limits": [None], "command": None}
     return {"server": f"llama-server {label}", "limit": rec["limits"][0], "failed_above": (rec.get("failed_above")
-            or [None])[0], "command": rec.get("command"), "cycle": cycle, **info}
+            or [None])[0], "configuration": rec.get("command"), "cycle": cycle, **info}
 
 
 def _f(v) -> str:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     lines = ["| cycle | server | limit (req/s) | failed at | configuration | wall (min) |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['cycle']} | {r['server']} | {_f(r['limit'])} | {_f(r['failed_above'])} "
-                     f"| {r.get('command') or '-'} | {r['wall_s'] / 60:.1f} |")
+                     f"| {r.get('configuration') or '-'} | {r['wall_s'] / 60:.1f} |")
     if ours and theirs:
         lines += ["", f"best against best: {max(ours):.2f} / {max(theirs):.2f} = **{max(ours) / max(theirs):.2f}x**"]
     text = "\n".join(lines) + "\n"

@@ -23,7 +23,11 @@ point's deadline passes. A load passes only when all of these hold:
    trend is not in the residuals.
 3. **Each SLO statistic holds with confidence.** The upper end of its two-sided interval
    (``confidence``, 0.95; :mod:`inflight.bench.confidence`) is within the target. A sample
-   too small to bound the statistic fails, saying how many requests it needs.
+   too small to bound the statistic fails, saying how many requests it needs. The
+   interval's lower end counts the window's requests as the independent draws they are:
+   slow requests that came in one clump (a burst of long prompts) are about one draw (an
+   effective sample size), so one burst leaves the point undecided and extended rather
+   than failed conclusively.
    Sample requests still unfinished when the point ended count as censored: TTFT (if no
    token came), TPOT and E2E are ``inf``, and the open gap since their last token is an ITL.
 4. **Nothing failed**, and preemptions per completed request stay within
@@ -224,15 +228,18 @@ def censored_metrics(r: RequestRecord, deadline: float) -> dict:
 def slo_intervals(sample: Sequence[RequestRecord], slo: SLO, deadline: float,
                   confidence: float = DEFAULT_CONFIDENCE) -> dict[str, dict]:
     """Each aggregate SLO's interval over the finished and unfinished sample requests
-    (failed ones excluded: a failure fails the point on its own)."""
-    measured = [censored_metrics(r, deadline) for r in sample if r.success or r.unfinished]
+    (failed ones excluded: a failure fails the point on its own), in arrival order so that
+    a clump of slow requests counts as the fewer independent draws it is."""
+    kept = sorted((r for r in sample if r.success or r.unfinished), key=lambda r: r.scheduled_time)
+    measured = [censored_metrics(r, deadline) for r in kept]
     out = {}
     for (metric, stat), target in slo.aggregate.items():
         if metric == "itl":
-            iv = stat_interval(stat, groups=[m["itls"] for m in measured], confidence=confidence)
+            iv = stat_interval(stat, groups=[m["itls"] for m in measured], confidence=confidence,
+                               ordered=True)
         else:
             iv = stat_interval(stat, per_request=[m[metric] for m in measured if m[metric] is not None],
-                               confidence=confidence)
+                               confidence=confidence, ordered=True)
         out[f"{metric}_{stat}"] = {**iv.to_json(), "target": target,
                                    "passed": iv.bounded and iv.hi <= target}
     return out
@@ -372,7 +379,10 @@ def evidence_lines(ev: dict) -> list[str]:
     parts = []
     for key, iv in ev["slo"].items():
         ci = f"[{_ms(iv['lo'])}, {_ms(iv['hi'])}]"
-        parts.append(f"{key} {_ms(iv['estimate'])} {ci} vs {_ms(iv['target'])}")
+        n_eff = iv.get("n_eff")
+        # Say when clumping, not the request count, set the interval's width.
+        clumped = f" ({n_eff:.0f} of {iv['n']} independent)" if n_eff and n_eff < 0.8 * iv["n"] else ""
+        parts.append(f"{key} {_ms(iv['estimate'])} {ci}{clumped} vs {_ms(iv['target'])}")
     if parts:
         out.append(f"{ev['thresholds']['confidence']:.0%} CI: " + "; ".join(parts))
     tail = [f"unfinished {ev['unfinished']}", f"failed {ev['failed']}"]

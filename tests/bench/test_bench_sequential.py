@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from bench_fake_openai import Plan, ServerState
 from test_bench_capacity import fake_session
@@ -22,7 +23,7 @@ from inflight.bench.limit import SearchSpace, crossings, long_window_note
 from inflight.bench.machine import HostMonitor
 from inflight.bench.runner import ArrivalConfig, view_at
 from inflight.bench.stats import parse_slo
-from inflight.bench.sustain import FAIL, PASS, UNDECIDED, Window, judge
+from inflight.bench.sustain import FAIL, PASS, UNDECIDED, Window, evidence_lines, judge
 
 FIRST = Window(1.0, 11.0, 16.0)
 EXTENDED = Window(1.0, 21.0, 26.0)
@@ -102,6 +103,41 @@ def test_a_straddling_p95_is_undecided_then_fails_at_the_last_look():
     last = judge(recs, FIRST, slo, final=True)
     assert last.state == FAIL and "not conclusive on its own" in last.reasons[0]
     assert judge(recs, FIRST, parse_slo("ttft_p95=2"), final=False).state == PASS
+
+
+def _ttft_records(ttfts, window: Window = FIRST, rate: float = 30.0):
+    """One request every 1 / rate s with the given TTFTs, 10 ms to its last token."""
+    recs = []
+    for i, ttft in enumerate(ttfts):
+        t = i / rate
+        phase = window.phase(t)
+        recs.append(RequestRecord(i, t, send_time=t, chunk_times=[t + ttft, t + ttft + 0.01],
+                                  end_time=t + ttft + 0.01, success=True, output_tokens=2, phase=phase,
+                                  warmup=phase != "sample"))
+    return recs
+
+
+def test_one_clump_of_slow_requests_is_undecided_the_same_spread_out_fails():
+    """Issue 30's mooncake sample: a burst of long prompts gives 25 consecutive requests of
+    a 300-request window a 3 s TTFT (target 2 s). Taken as independent, the whole p95
+    interval lay above the target and a load held at 2-4x failed conclusively; one clump
+    is about one draw, so the point is undecided (extended). The same 25 spread over the
+    window are 25 draws: a conclusive failure."""
+    slo = parse_slo("ttft_p95=2")
+    base = np.full(360, 0.3)  # 30/s: 30 warm-up requests, 300 in the window, 30 after
+    clumped = base.copy()
+    clumped[150:175] = 3.0
+    spread = base.copy()
+    spread[30 + 12 * np.arange(25)] = 3.0
+    w = Window(1.0, 11.0, 16.0)
+    v = judge(_ttft_records(clumped, w), w, slo, final=False)
+    iv = v.evidence["slo"]["ttft_p95"]
+    assert iv["n"] == 300 and iv["estimate"] == pytest.approx(3.0) and iv["n_eff"] < 30
+    assert iv["lo"] == pytest.approx(0.3) and iv["state"] == UNDECIDED and v.state == UNDECIDED
+    assert "of 300 independent" in " ".join(evidence_lines(v.evidence))
+    s = judge(_ttft_records(spread, w), w, slo, final=False)
+    assert s.evidence["slo"]["ttft_p95"]["n_eff"] == 300
+    assert s.state == FAIL and s.evidence["slo"]["ttft_p95"]["lo"] == pytest.approx(3.0)
 
 
 def test_view_at_cuts_running_requests_at_the_look():
