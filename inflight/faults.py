@@ -8,6 +8,9 @@ Sites, each checked where the work happens:
 - ``detokenizer``: ``OutputProcessor`` turning one sequence's new token into text (only
   that request fails).
 
+A plan may *stall* instead of raising (``stall_s``): the call sleeps, a step that does not
+return, for the step watchdog's tests (tests/reliability/test_watchdog.py).
+
 Disarmed, a site costs one dict lookup. Nothing arms a fault outside tests: there is no
 flag or environment variable, so a production server cannot be told to fail.
 """
@@ -15,6 +18,7 @@ flag or environment variable, so a production server cannot be told to fail.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 SITES = ("runner", "sampler", "detokenizer")
@@ -29,6 +33,7 @@ class _Plan:
     nth: int
     request_id: str | None
     remaining: int
+    stall_s: float = 0.0
     calls: int = 0
 
 
@@ -42,9 +47,10 @@ class FaultInjector:
         self.tripped: list[tuple[str, str | None]] = []  # (site, request id) per raise
 
     def arm(self, site: str, *, nth: int = 1, request_id: str | None = None,
-            times: int = 1) -> None:
+            times: int = 1, stall_s: float = 0.0) -> None:
         """Make the ``nth`` matching call at ``site`` from now raise ``InjectedFault``, and
-        the ``times - 1`` matching calls after it.
+        the ``times - 1`` matching calls after it; with ``stall_s`` > 0 they sleep that long
+        instead (and then go on normally).
 
         Args:
             site: one of ``SITES``.
@@ -59,10 +65,10 @@ class FaultInjector:
         """
         if site not in SITES:
             raise ValueError(f"site: must be one of {SITES}, got {site!r}")
-        if nth < 1 or times < 1:
-            raise ValueError(f"nth and times: must be >= 1, got {nth} and {times}")
+        if nth < 1 or times < 1 or stall_s < 0:
+            raise ValueError(f"nth and times: must be >= 1, stall_s >= 0, got {nth}, {times}, {stall_s}")
         with self._lock:
-            self._plans[site] = _Plan(nth, request_id, times)
+            self._plans[site] = _Plan(nth, request_id, times, stall_s)
 
     def disarm(self) -> None:
         """Clear every plan and the record of raises."""
@@ -71,7 +77,7 @@ class FaultInjector:
             self.tripped.clear()
 
     def check(self, site: str, request_id: str | None = None) -> None:
-        """Called at ``site``; raises ``InjectedFault`` when an armed plan says so."""
+        """Called at ``site``; raises ``InjectedFault`` (or stalls) when an armed plan says so."""
         if site not in self._plans:
             return
         with self._lock:
@@ -85,6 +91,9 @@ class FaultInjector:
             if plan.remaining <= 0:
                 del self._plans[site]
             self.tripped.append((site, request_id))
+        if plan.stall_s > 0:
+            time.sleep(plan.stall_s)
+            return
         raise InjectedFault(f"injected fault at {site}"
                             + (f" for {request_id}" if request_id else ""))
 

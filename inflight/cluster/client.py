@@ -137,6 +137,8 @@ class ClusterEngine:
             slots (the one-engine flag); None: unbounded.
         stats_window_s: latency window of each replica's ``/stats``.
         log_interval_s: replicas' stats log line period (0: none).
+        watchdog_timeout_s: each replica's step watchdog (``AsyncEngine``); a stuck replica
+            exits and is restarted like any dead one.
         max_restarts: times Ray restarts a dead replica (-1: always).
         num_cpus: Ray CPUs each replica reserves (scheduling only).
         listeners: called as ``listener(stats, outputs, now)`` with the summed stats after
@@ -155,7 +157,8 @@ class ClusterEngine:
                  stats_window_s: float = 60.0, log_interval_s: float = 10.0,
                  max_restarts: int = -1, num_cpus: float | None = None,
                  listeners: Sequence[StepListener] = (), log_level: str = "INFO",
-                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+                 ready_timeout_s: float = READY_TIMEOUT_S,
+                 watchdog_timeout_s: float | None = None) -> None:
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size: must be >= 1, got {num_replicas}")
         if max_num_waiting is not None and max_num_waiting < 0:
@@ -186,7 +189,8 @@ class ClusterEngine:
             max_restarts=max_restarts, max_task_retries=0, max_concurrency=10_000)
         t0 = time.monotonic()
         self.replicas = [ReplicaState(i, actor_cls.remote(i, config, model_name, stats_window_s,
-                                                          log_interval_s, log_level))
+                                                          log_interval_s, log_level,
+                                                          watchdog_timeout_s))
                          for i in range(num_replicas)]
         try:
             pids = ray.get([r.actor.ready.remote() for r in self.replicas],

@@ -27,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.watchdog import EXIT_ENGINE_DEAD
 from inflight.errors import EngineError, RequestFailedError
 from inflight.outputs import RequestOutput
 from inflight.request import RequestOptions
@@ -55,6 +57,7 @@ class ReplicaServer:
         stats_window_s: seconds of the latency windows of its ``/stats``.
         log_interval_s: seconds between its stats log lines while busy (0: none).
         log_level: logging level of the actor process.
+        watchdog_timeout_s: ``AsyncEngine``'s; a step past it ends the actor's process.
 
     Raises:
         ValueError, FileNotFoundError: as ``Engine(config)`` (bad flag, no model); Ray
@@ -63,7 +66,7 @@ class ReplicaServer:
 
     def __init__(self, index: int, config: EngineConfig, model_name: str,
                  stats_window_s: float = 60.0, log_interval_s: float = 10.0,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", watchdog_timeout_s: float | None = None) -> None:
         logging.basicConfig(level=log_level.upper(),
                             format=f"%(asctime)s %(levelname)s replica{index} %(name)s: %(message)s")
         from inflight.engine import Engine
@@ -73,7 +76,12 @@ class ReplicaServer:
         self.index = index
         t0 = time.monotonic()
         core = build_engine_off_main_thread(lambda: Engine(config))
-        self.engine = AsyncEngine(core, max_num_waiting=None, log_interval_s=log_interval_s)
+        self.engine = AsyncEngine(core, max_num_waiting=None, log_interval_s=log_interval_s,
+                                  watchdog_timeout_s=watchdog_timeout_s, watchdog_backstop=True)
+        # A dead engine takes its actor's process with it: Ray restarts the actor and the
+        # ingress routes around it meanwhile (client.py). The second lets the errors out.
+        self.engine.on_dead.append(
+            lambda reason: threading.Timer(1.0, os._exit, (EXIT_ENGINE_DEAD,)).start())
         self.metrics = ServerMetrics(self.engine, window_s=stats_window_s,
                                      max_num_batched_tokens=config.max_num_batched_tokens,
                                      config_labels=_config_labels(self.engine, model_name),

@@ -70,7 +70,8 @@ def run_cluster_serve(args: argparse.Namespace) -> int:
                                router=args.router, router_threshold=args.router_threshold,
                                max_num_waiting=args.max_num_waiting,
                                stats_window_s=args.stats_window,
-                               log_interval_s=args.stats_log_interval, log_level=log_level)
+                               log_interval_s=args.stats_log_interval, log_level=log_level,
+                               watchdog_timeout_s=args.watchdog_timeout)
         app = build_app(engine, model_names=names, api_key=api_key,  # type: ignore[arg-type]
                         max_body_bytes=args.max_request_body_bytes,
                         stats_window_s=args.stats_window, tool_call_parser=args.tool_call_parser,

@@ -14,6 +14,10 @@ Every request runs in the engine's streaming (delta) mode; ``RequestStream``
 No request's fault stops the loop: a failed ``add_request`` fails that request, a failed
 model step is turned by ``Engine.step`` into error outputs for the requests in it, and any
 other exception from ``step`` fails the requests then in flight while the loop goes on.
+A step that never returns is the one fault the loop cannot see from inside: the step
+watchdog (``watchdog.py``) declares the engine dead, ends the requests in flight with
+``EngineDeadError`` and calls ``on_dead`` (the server then exits non-zero); a bug in the
+loop itself does the same.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from inflight.engine.engine import Engine
 from inflight.engine.memory import HeapTrimmer
 from inflight.engine.stats import EngineStats, StatsLogger
 from inflight.engine.stream import RequestStream
+from inflight.engine.watchdog import AUTO_FLOOR_S, AUTO_MULTIPLE, StepWatchdog
 from inflight.errors import (EngineDeadError, EngineError, EngineOverloadedError,
                              InvalidRequestError, RequestFailedError, RequestTooLargeError)
 from inflight.outputs import RequestOutput
@@ -75,12 +80,26 @@ class AsyncEngine:
         listeners: called on the engine thread after every step as
             ``listener(stats, outputs, now)`` (``now`` on the ``time.monotonic()`` clock);
             metrics hook in here. A listener that raises is logged and otherwise ignored.
+        watchdog_timeout_s: seconds one step may run before the engine is declared dead
+            (``watchdog.py``); None: automatic (20 x the predicted full-budget step, at
+            least 60 s); 0: no watchdog.
+        watchdog_backstop: also arm ``faulthandler``'s process-wide timer (servers only).
+
+    Attributes:
+        on_dead: called once with the reason when the engine dies (a stuck step, a crashed
+            loop), on the thread that noticed; the server exits non-zero from here.
+
+    Raises:
+        ValueError: a negative ``max_num_waiting`` or ``watchdog_timeout_s``.
     """
 
     def __init__(self, engine: Engine, *, max_num_waiting: int | None = None,
-                 log_interval_s: float = 10.0, listeners: Sequence[StepListener] = ()) -> None:
+                 log_interval_s: float = 10.0, listeners: Sequence[StepListener] = (),
+                 watchdog_timeout_s: float | None = None, watchdog_backstop: bool = False) -> None:
         if max_num_waiting is not None and max_num_waiting < 0:
             raise ValueError(f"max_num_waiting: must be >= 0 or None, got {max_num_waiting!r}")
+        if watchdog_timeout_s is not None and watchdog_timeout_s < 0:
+            raise ValueError(f"watchdog_timeout: must be >= 0 s (0: off), got {watchdog_timeout_s!r}")
         self.engine = engine
         self.max_num_waiting = max_num_waiting
         self.listeners: list[StepListener] = list(listeners)
@@ -97,6 +116,12 @@ class AsyncEngine:
         self._draining = False
         self.heap = HeapTrimmer()  # freed step tensors go back to the OS (engine/memory.py)
         self._dead: str | None = None
+        self.on_dead: list[Callable[[str], None]] = []
+        self.watchdog: StepWatchdog | None = None
+        if watchdog_timeout_s != 0:
+            timeout = self._auto_watchdog_timeout if watchdog_timeout_s is None else watchdog_timeout_s
+            self.watchdog = StepWatchdog(timeout, self._declare_dead, self._describe_step,
+                                         backstop=watchdog_backstop)
         # Times the loop waited (idle, or after a step that did nothing): a step log keeps
         # only steps that followed one another directly.
         self.num_waits = 0
@@ -179,6 +204,8 @@ class AsyncEngine:
             return
         self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
         self._thread.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop accepting requests, abort those in flight, and join the engine thread.
@@ -187,6 +214,10 @@ class AsyncEngine:
         """
         self._stopping = True
         self._wake.set()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            if self.watchdog.fired:  # the engine thread is stuck in its step: not joinable
+                timeout = 0.0
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -352,7 +383,7 @@ class AsyncEngine:
         engine = self.engine
         failures = 0
         try:
-            while True:
+            while self._dead is None:
                 self._wake.clear()
                 self._drain_commands()
                 if self._stopping:
@@ -366,6 +397,8 @@ class AsyncEngine:
                     self._wake.wait()
                     continue
                 steps_before = self._stats.num_steps
+                if self.watchdog is not None:
+                    self.watchdog.step_began()
                 try:
                     outputs = engine.step()
                 except Exception as e:
@@ -375,6 +408,11 @@ class AsyncEngine:
                     self.num_waits += 1
                     self._wake.wait(_FAILURE_BACKOFF_S * min(failures, 10))
                     continue
+                finally:
+                    if self.watchdog is not None:
+                        self.watchdog.step_ended()
+                if self._dead is not None:  # the watchdog gave up on this step meanwhile
+                    break
                 failures = 0
                 self._deliver(outputs)
                 self._publish_stats(outputs, did_step=True)
@@ -383,16 +421,47 @@ class AsyncEngine:
                     self.num_waits += 1
                     self._wake.wait(IDLE_POLL_S)
         except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
-            self._dead = f"engine loop crashed: {type(e).__name__}: {e}"
             logger.exception("engine loop crashed")
-            with self._lock:
-                streams = list(self._streams.values())
-                self._streams.clear()
-            for s in streams:
-                s.put(EngineDeadError(self._dead))
+            self._declare_dead(f"engine loop crashed: {type(e).__name__}: {e}")
             raise
         finally:
             self._dead = self._dead or "the engine is shut down"
+
+    def _declare_dead(self, reason: str) -> None:
+        """The engine will not step again: refuse new requests (``/health`` 503), end those in
+        flight with ``EngineDeadError``, tell ``on_dead``. Never touches the engine: its
+        thread may be stuck inside it (any thread may call this)."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        self._wake.set()
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._num_pending = 0
+        for s in streams:
+            s.put(EngineDeadError(reason))
+        for callback in self.on_dead:
+            try:
+                callback(reason)
+            except Exception:
+                logger.exception("on_dead callback %r failed", callback)
+
+    def _auto_watchdog_timeout(self) -> float:
+        model = self.engine.scheduler.step_model
+        full = self.config.max_num_batched_tokens
+        predicted = model.predict(full) if model.ready else 0.0
+        return max(AUTO_FLOOR_S, AUTO_MULTIPLE * predicted)
+
+    def _describe_step(self) -> str:
+        plan = getattr(self.engine, "last_plan", None)
+        if plan is None or plan.is_empty:
+            return "no plan scheduled yet"
+        rows = plan.scheduled
+        prefill = [s for s in rows if not s.samples or len(s.token_ids) > 1]
+        return (f"last plan scheduled: {len(rows)} rows, {plan.num_batched_tokens} tokens "
+                f"({len(prefill)} prefill rows with {sum(len(s.token_ids) for s in prefill)} tokens, "
+                f"{len(rows) - len(prefill)} decode rows)")
 
     def _drain_commands(self) -> None:
         while True:

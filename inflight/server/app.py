@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.watchdog import EXIT_ENGINE_DEAD
 from inflight.server import responses as R
 from inflight.server import serving
 from inflight.server.errors import OpenAIError, bad_request, install_error_handlers
@@ -425,6 +426,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="on SIGINT/SIGTERM, seconds running requests get to finish before "
                         "they are aborted (default %(default)s)")
+    p.add_argument("--watchdog-timeout", type=float, default=None, metavar="S",
+                   help="seconds one engine step may run before the engine is declared dead: "
+                        "/health answers 503, requests in flight get an error, the process "
+                        "exits with status %d for its supervisor to restart (SGLang's flag); "
+                        "default: 20 x the predicted full-budget step, at least 60 s; 0: off"
+                        % EXIT_ENGINE_DEAD)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="log every HTTP request")
     p.add_argument("--step-log", metavar="FILE.jsonl",
@@ -493,6 +500,15 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._engine = engine
         self._grace_s = grace_s
+        self.exit_code = 0
+
+    def engine_died(self, reason: str) -> None:
+        """``AsyncEngine.on_dead``: stop serving and exit ``EXIT_ENGINE_DEAD``. The requests
+        in flight already got their errors; uvicorn's shutdown gives them
+        ``_CLOSE_GRACE_S`` to go out. Any thread may call it (uvicorn polls the flag)."""
+        logger.critical("engine dead (%s); shutting down with exit status %d", reason, EXIT_ENGINE_DEAD)
+        self.exit_code = EXIT_ENGINE_DEAD
+        self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         engine = self._engine
@@ -552,7 +568,8 @@ def load_chat_template(arg: str) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """``inflight serve``: load the engine, serve until SIGINT/SIGTERM, exit 0.
+    """``inflight serve``: load the engine, serve until SIGINT/SIGTERM, exit 0; exit
+    ``EXIT_ENGINE_DEAD`` (70) when the engine died (the step watchdog, a crashed loop).
 
     Raises ``ValueError`` for a bad engine flag and ``FileNotFoundError`` for a missing
     model (the CLI prints them).
@@ -576,7 +593,8 @@ def run_serve(args: argparse.Namespace) -> int:
         core.tokenizer.chat_template = template
         check_chat_template(core.tokenizer, args.chat_template)  # refuse an unsafe one
     engine = AsyncEngine(core, max_num_waiting=args.max_num_waiting,
-                         log_interval_s=args.stats_log_interval)
+                         log_interval_s=args.stats_log_interval,
+                         watchdog_timeout_s=args.watchdog_timeout, watchdog_backstop=True)
     step_log = None
     if args.step_log:
         from inflight.sim.steplog import StepLog
@@ -592,6 +610,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                # typed int, but uvicorn hands it to asyncio.wait_for
                                timeout_graceful_shutdown=_CLOSE_GRACE_S)  # type: ignore[arg-type]
     server = _Server(uv_config, engine, args.shutdown_timeout)
+    engine.on_dead.append(server.engine_died)
     logger.info("serving %s on http://%s:%d (API key %s)", names[0], args.host, args.port,
                 "required" if api_key else "not required")
     # uvicorn re-raises the signal it shut down on once it has restored the previous
@@ -606,4 +625,4 @@ def run_serve(args: argparse.Namespace) -> int:
         engine.shutdown()
         if step_log is not None:
             step_log.close()
-    return 0 if server.started else 1
+    return server.exit_code or (0 if server.started else 1)

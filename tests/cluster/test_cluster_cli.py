@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,14 +18,9 @@ import pytest
 pytest.importorskip("ray", reason="Ray is not installed: pip install 'inflight-serve[cluster]'")
 
 from tests.cluster.test_cluster_server import _alive, _descendants  # noqa: E402
+from tests.server.conftest import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SERVE = [sys.executable, "-m", "inflight.cli", "serve", "--data-parallel-size", "2",
@@ -36,7 +30,7 @@ SERVE = [sys.executable, "-m", "inflight.cli", "serve", "--data-parallel-size", 
 
 def _start(args: list[str]) -> tuple[subprocess.Popen, str]:
     """``inflight serve`` with ``args`` on a free port, once /health answers 200."""
-    port = _free_port()
+    port = free_port()
     log = tempfile.TemporaryFile(mode="w+")  # not a pipe: nobody reads it while it runs
     proc = subprocess.Popen(SERVE + ["--port", str(port), *args], stdout=log,
                             stderr=subprocess.STDOUT, text=True)
@@ -94,7 +88,7 @@ def test_ray_address_joins_a_running_cluster():
     head's processes are then ended by their ids (found by the temp dir in their command
     lines)."""
     # Short: Ray's socket paths under it must fit a Unix socket name (107 bytes).
-    temp_dir, port = tempfile.mkdtemp(prefix="inflight-ray-", dir="/tmp"), _free_port()
+    temp_dir, port = tempfile.mkdtemp(prefix="inflight-ray-", dir="/tmp"), free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # bind to 127.0.0.1 (runtime.py)
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -146,7 +140,7 @@ def _head_pids(temp_dir: str) -> list[int]:
 
 
 def test_a_replica_that_cannot_start_stops_the_server_with_its_error():
-    port = _free_port()
+    port = free_port()
     cmd = [*SERVE, "--port", str(port), "--num-kv-blocks", "4"]  # 64 tokens < max_model_len
     errors = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors, text=True)

@@ -80,5 +80,21 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: s
         time.sleep(interval)
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago (for a server process to bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_healthy(url: str, proc) -> bool:
+    """``/health`` answers 200; fails with the process's output if it already exited."""
+    assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def get_json(base_url: str, path: str):
     return httpx.get(base_url + path, timeout=10).json()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,30 +12,16 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import wait_until
+from tests.server.conftest import free_port, process_healthy, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str, proc: subprocess.Popen) -> bool:
-    assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 GRACE_S = 2.0
 
 
 def test_serve_sigterm_drains_then_aborts_and_exits_in_time():
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "INFLIGHT_API_KEY": "secret"}
     cmd = [sys.executable, "-m", "inflight.cli", "serve", "--port", str(port),
@@ -44,7 +29,7 @@ def test_serve_sigterm_drains_then_aborts_and_exits_in_time():
            "--max-num-seqs", "4", "--shutdown-timeout", str(GRACE_S)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: _healthy(url, proc), timeout=90, interval=0.2, what="the server")
+        wait_until(lambda: process_healthy(url, proc), timeout=90, interval=0.2, what="the server")
         assert httpx.get(url + "/v1/models").status_code == 401
         auth = {"Authorization": "Bearer secret"}
         assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "m"
