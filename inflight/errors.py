@@ -19,7 +19,7 @@ class EngineError(Exception):
         message: human-readable text.
         param: the request field at fault (``prompt``, ``max_tokens``, ``n``), if any.
         code: machine-readable code (``context_length_exceeded``, ...), if any.
-        retry_after: seconds after which a retry may succeed (overload only).
+        retry_after: seconds after which a retry may succeed (overload, unavailable).
 
     ``kind`` (class attribute): ``invalid_request`` (the client's input; retrying the same
     request cannot help), ``overloaded`` (retry later), ``unavailable`` (the engine is
@@ -58,10 +58,14 @@ class EngineOverloadedError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine loop is stopped (shut down or crashed), or it aborted the request before
-    its first token while stopping."""
+    """The engine loop is stopped (shut down, crashed, stuck past the watchdog), or it cut
+    the request short while stopping. Retryable: another replica, or this one restarted,
+    can serve it (``retry_after`` 1 s by default, the ``Retry-After`` of its 503)."""
 
     kind = "unavailable"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message, retry_after=retry_after)
 
 
 class RequestFailedError(EngineError):

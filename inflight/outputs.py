@@ -94,14 +94,17 @@ class RequestOutput:
         """Why the engine did not serve this request, as the one engine error type, or None.
 
         ``error`` is a ``RequestFailedError``, ``shed_reason`` an ``EngineOverloadedError``
-        (retry later), and ``abort_reason`` before the first token an ``EngineDeadError``;
-        an abort by the client, or after the first token, is an ordinary finish.
+        (retry later), and ``abort_reason`` (the server cut it: shutdown) an
+        ``EngineDeadError`` (503 with ``Retry-After``, or an error event on a stream whose
+        200 went out), before or after its first token: cut work is never reported as a
+        success (issue 35). An abort by the client is an ordinary finish.
         """
         if self.error:
             return RequestFailedError(self.error)
         if self.shed_reason:
             return EngineOverloadedError(f"request shed: {self.shed_reason}")
-        if self.abort_reason and (self.metrics is None or self.metrics.first_token_time is None):
-            return EngineDeadError(f"the request was aborted before its first token: "
-                                   f"{self.abort_reason}")
+        if self.abort_reason:
+            started = self.metrics is not None and self.metrics.first_token_time is not None
+            return EngineDeadError(f"the request was cut short {'after' if started else 'before'} "
+                                   f"its first token: {self.abort_reason}; retry it")
         return None

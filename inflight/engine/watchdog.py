@@ -120,11 +120,18 @@ class StepWatchdog:
         self._on_stuck(self.fired)
         return True
 
+    def _arm_backstop(self, seconds: float) -> None:
+        try:
+            faulthandler.dump_traceback_later(seconds, exit=True)
+        except (ValueError, RuntimeError, OSError, AttributeError) as e:  # no usable stderr
+            logger.warning("watchdog backstop off: faulthandler cannot write to stderr (%s)", e)
+            self._backstop = False
+
     def _run(self) -> None:
         while not self._stop.is_set():
             timeout = self._timeout()
             if self._backstop:
-                faulthandler.dump_traceback_later(timeout + self._backstop_s, exit=True)
+                self._arm_backstop(timeout + self._backstop_s)
             if self.check():
                 if self._backstop:  # the process is going down on purpose: let it
                     faulthandler.cancel_dump_traceback_later()

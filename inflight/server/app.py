@@ -490,9 +490,9 @@ class _Server(uvicorn.Server):
 
     On SIGINT/SIGTERM the socket stays open for up to ``grace_s``: requests in flight run
     on, new ones get 503 (``server_unavailable``) and ``/health`` 503, instead of a refused
-    connection. Requests still running then are aborted, so their clients hear
-    ``finish_reason=abort`` and ``[DONE]``; the log says how many finished and how many were
-    aborted. uvicorn then closes the socket and connections (``_CLOSE_GRACE_S`` for their
+    connection. Requests still running then are cut, and their clients hear it as an error
+    (a 503 with ``Retry-After``, or an error event and ``[DONE]`` on a stream whose 200 went
+    out), never as a success; the log says how many finished and how many were aborted. uvicorn then closes the socket and connections (``_CLOSE_GRACE_S`` for their
     last bytes). The process exits within about ``grace_s + 1`` s.
     """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -486,7 +487,7 @@ def test_engine_failure_is_an_error_body_or_event(overload_server):
     assert events[-1] == "data: [DONE]"
 
 
-def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_abort(tokenizer):
+def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_an_error(tokenizer):
     from inflight.server.app import build_app
 
     engine, _ = fake_engine(tokenizer, delay=0.02, max_num_seqs=1)
@@ -504,6 +505,7 @@ def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_abort(tokeni
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
                     r.read()
                     queued["status"], queued["body"] = r.status_code, r.json()
+                    queued["retry_after"] = r.headers.get("retry-after")
 
             def send_plain():
                 r = httpx.post(url + "/v1/completions", timeout=30,
@@ -519,11 +521,16 @@ def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_abort(tokeni
             rest = [line for line in lines if line]
             for t in threads:
                 t.join(10)
-        # Already streaming: it ends as aborted. Never started: a status to act on.
-        assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
+        # Already streaming: an error event (cut work is not a success, issue 35). Never
+        # started: a status to act on, with Retry-After.
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' not in "".join(rest)
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "server_unavailable"
+        assert "cut short after its first token" in error["message"] and "shutting down" in error["message"]
         assert queued["status"] == 503
         assert queued["body"]["error"]["code"] == "server_unavailable"
         assert "shutting down" in queued["body"]["error"]["message"]  # the abort's reason
+        assert queued["retry_after"] == "1"
         assert queued["plain"][0] == 503
         assert queued["plain"][1]["error"]["code"] == "server_unavailable"
     finally:

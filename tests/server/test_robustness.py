@@ -281,7 +281,7 @@ def test_tokenize_detokenize(url, real_engine):
      400, "context_length_exceeded", "messages", None),
     (InvalidRequestError("max_tokens: too many"), 400, None, "max_completion_tokens", None),
     (EngineOverloadedError("queue full", retry_after=2.6), 503, "server_overloaded", None, "3"),
-    (EngineDeadError("stopped"), 503, "server_unavailable", None, None),
+    (EngineDeadError("stopped"), 503, "server_unavailable", None, "1"),  # retry elsewhere, or after a restart
     (RequestFailedError("boom"), 500, "engine_error", None, None),
 ])
 def test_engine_errors_convert_once_at_the_http_edge(error, status, code, param, retry):
