@@ -80,6 +80,7 @@ class StepWatchdog:
 
     @property
     def timeout_s(self) -> float:
+        """The timeout now (s): fixed, or the automatic one as the step model has learned it."""
         return self._timeout()
 
     # --- the engine thread ------------------------------------------------------------------

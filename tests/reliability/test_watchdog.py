@@ -22,7 +22,8 @@ from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.watchdog import AUTO_FLOOR_S, EXIT_ENGINE_DEAD, StepWatchdog
 from inflight.faults import FAULTS
 from tests.reliability.conftest import engine_sharing_model
-from tests.server.conftest import MODEL, ServerThread, free_port, process_healthy, wait_until
+from tests.server.conftest import (MODEL, ServerThread, free_port, process_healthy, stop_process,
+                                   wait_until)
 
 
 def test_fires_once_past_the_timeout_naming_the_step_and_its_plan():
@@ -96,34 +97,33 @@ def test_a_stuck_step_ends_the_requests_in_flight_and_fails_health(base_engine):
             ok = httpx.post(url + "/v1/completions", timeout=30,
                             json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
             assert ok.status_code == 200  # a step of normal length is not stuck
-            FAULTS.arm("runner", stall_s=4.0)
-            out: dict = {}
-
-            def stream() -> None:
-                with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
-                        "model": MODEL, "prompt": "Tell me", "max_tokens": 50, "stream": True}) as r:
-                    out["stream"] = (r.status_code, [ln for ln in r.iter_lines() if ln])
-            t = threading.Thread(target=stream)
-            t0 = time.monotonic()
-            t.start()
-            plain = httpx.post(url + "/v1/completions", timeout=30,
-                               json={"model": MODEL, "prompt": "Hello", "max_tokens": 5})
-            t.join(10)
-            noticed = time.monotonic() - t0
-            assert plain.status_code == 503, plain.text
+            body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 200, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", timeout=30, json=body) as r:
+                lines = r.iter_lines()
+                assert r.status_code == 200 and next(lines).startswith("data: {")  # 200 went out
+                FAULTS.arm("runner", stall_s=4.0)  # the stream's next decode step stalls
+                t0 = time.monotonic()
+                out: dict = {}
+                t = threading.Thread(target=lambda: out.setdefault("plain", httpx.post(
+                    url + "/v1/completions", timeout=30,
+                    json={"model": MODEL, "prompt": "Hello", "max_tokens": 5})))
+                t.start()
+                rest = [ln for ln in lines if ln]
+                noticed = time.monotonic() - t0
+                t.join(10)
+            # The stream whose 200 went out ends with an error event, then [DONE]: not a
+            # success; the request that never got a token gets a real 503.
+            assert rest[-1] == "data: [DONE]", rest
+            error = json.loads(rest[-2].removeprefix("data: "))["error"]
+            assert error["code"] == "server_unavailable" and "watchdog timeout of 0.5 s" in error["message"]
+            plain = out["plain"]
+            assert plain.status_code == 503 and plain.headers["retry-after"] == "1", plain.text
             assert plain.json()["error"]["code"] == "server_unavailable"
             assert "watchdog timeout of 0.5 s" in plain.json()["error"]["message"]
-            status, lines = out["stream"]
-            # Either its 200 went out before the stall (then an error event ends it) or not
-            # (then a 503): never a success.
-            if status == 200:
-                events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
-                assert "error" in events[-1] and lines[-1] == "data: [DONE]"
-            else:
-                assert status == 503
             assert noticed < 0.5 + 1.5, f"noticed after {noticed:.2f} s"
             assert len(died) == 1 and died[0].startswith("engine step ")
-            assert "rows" in died[0]  # the plan of the stuck step is in the message
+            assert "decode rows" in died[0]  # the plan of the stuck step is in the message
             health = httpx.get(url + "/health", timeout=5)
             assert health.status_code == 503
             refused = httpx.post(url + "/v1/completions", timeout=5,
@@ -164,9 +164,6 @@ def test_inflight_serve_exits_70_when_its_engine_is_stuck():
         assert proc.wait(timeout=30) == EXIT_ENGINE_DEAD
         assert time.monotonic() - t0 < 2 + 10
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log = proc.stdout.read().decode(errors="replace")
+        log = stop_process(proc)
     assert "did not return within the watchdog timeout of 2 s" in log, log
     assert "shutting down with exit status 70" in log, log

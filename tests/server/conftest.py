@@ -96,5 +96,14 @@ def process_healthy(url: str, proc) -> bool:
         return False
 
 
+def stop_process(proc) -> str:
+    """Kill a server process the test started if it still runs; its whole output (stdout
+    with stderr folded in)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+    return proc.stdout.read().decode(errors="replace")
+
+
 def get_json(base_url: str, path: str):
     return httpx.get(base_url + path, timeout=10).json()

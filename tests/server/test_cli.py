@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, process_healthy, wait_until
+from tests.server.conftest import free_port, process_healthy, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -64,10 +64,7 @@ def test_serve_sigterm_drains_then_aborts_and_exits_in_time():
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=2)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log = proc.stdout.read().decode(errors="replace")
+        log = stop_process(proc)
     assert "serving m on" in log, log
     assert "shutdown: 0 requests finished during the" in log and "drain, 1 aborted" in log, log
 
