@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from inflight.core.overload import OVERLOAD_INTERVAL_S
 from inflight.core.policies import BATCHING_POLICIES
 from inflight.core.queue_policy import SCHEDULING_POLICIES
 
@@ -23,6 +24,12 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
 # Cap on that default, so a big host does not pin tens of GiB for a small model.
 DEFAULT_KV_CACHE_MEMORY_CAP = 4 << 30
+# `inflight serve`'s overload protection (docs/reliability.md says why these numbers): a
+# standing queue is shed down to a 1 s predicted TTFT, and a step with decodes in it is
+# planned to take at most 0.5 s. The engine itself defaults to neither (offline batches
+# queue by design).
+DEFAULT_OVERLOAD_TTFT = 1.0
+DEFAULT_MAX_STEP_TIME = 0.5
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,14 @@ class EngineConfig:
         scheduling_policy: ``fcfs``, ``priority`` or ``slo`` (``inflight.core.queue_policy``).
         ttft_slo, itl_slo: default latency targets, seconds, for the ``slo`` policy.
         max_queue_time: shed a request that waited this many seconds without starting.
+        overload_ttft: overload shedding (``inflight.core.overload``): once the
+            waiting queue has not emptied for ``OVERLOAD_INTERVAL_S``, shed each waiting
+            request whose first token is predicted more than this many seconds after its
+            arrival. None: off (the engine's default, for offline batches; ``inflight
+            serve`` defaults to ``DEFAULT_OVERLOAD_TTFT``).
+        max_step_time: cap each step's token budget so its predicted time stays within
+            this many seconds while requests decode (the ITL a busy step costs every
+            running request); None: off (``inflight serve``: ``DEFAULT_MAX_STEP_TIME``).
         priority_aging_s: ``priority`` policy: seconds of waiting worth one priority level;
             a request of priority ``p`` outranks every request of priority ``q`` arriving
             ``(p - q) * priority_aging_s`` seconds or more after it (20 s for 10 levels at
@@ -92,6 +107,8 @@ class EngineConfig:
     ttft_slo: float | None = None
     itl_slo: float | None = None
     max_queue_time: float | None = None
+    overload_ttft: float | None = None
+    max_step_time: float | None = None
     # 2 s a level: priority 10 waits at most 20 s behind fresh priority-0 traffic (< 30 s).
     priority_aging_s: float = 2.0
     num_threads: int | None = None
@@ -125,7 +142,8 @@ class EngineConfig:
         check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
               f"must be one of {SCHEDULING_POLICIES}")
-        for name in ("ttft_slo", "itl_slo", "max_queue_time"):
+        for name in ("ttft_slo", "itl_slo", "max_queue_time", "overload_ttft",
+                     "max_step_time"):
             value = getattr(self, name)
             check(value is None or value > 0, name, "must be > 0 seconds")
         check(self.priority_aging_s >= 0, "priority_aging_s", "must be >= 0 seconds (0: no aging)")
@@ -176,6 +194,15 @@ class EngineConfig:
                        help="slo policy: default inter-token latency target, seconds")
         g.add_argument("--max-queue-time", type=float, default=None,
                        help="shed requests that waited this many seconds without starting")
+        g.add_argument("--overload-ttft", type=_seconds_or_off, default=None, metavar="S",
+                       help="overload shedding: once the waiting queue has not emptied for "
+                            f"{OVERLOAD_INTERVAL_S:g} s, requests predicted to get their first token "
+                            "more than S seconds after arrival get 503 + Retry-After at once (serve's default "
+                            f"{DEFAULT_OVERLOAD_TTFT:g}; 0: off)")
+        g.add_argument("--max-step-time", type=_seconds_or_off, default=None, metavar="S",
+                       help="cap each step's token budget so a step with decodes is predicted "
+                            "to take at most S seconds: the inter-token latency a prefill chunk "
+                            f"costs every running request (serve's default {DEFAULT_MAX_STEP_TIME:g}; 0: off)")
         g.add_argument("--priority-aging-s", type=float, default=2.0,
                        help="priority policy: seconds of waiting worth one priority level; "
                             "priority p goes ahead of priority q requests arriving "
@@ -189,6 +216,19 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _seconds_or_off(text: str) -> float | None:
+    """``1.5`` -> 1.5 seconds; ``0``, ``off`` or ``none`` -> None (the feature off)."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'off', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'off', got {text!r}")
+    return value or None
 
 
 def _parse_bytes(text: str) -> int:

@@ -46,11 +46,17 @@ class RequestOptions:
         priority: lower is served first under ``scheduling_policy="priority"`` (vLLM's).
         ttft_slo, itl_slo: this request's latency targets, seconds, for
             ``scheduling_policy="slo"``; None: the engine's defaults.
+        tenant: who sent it (the name of its API key); ``scheduling_policy="fair"``
+            shares the engine between tenants. None: the anonymous tenant.
+        cache_salt: mixed into the first KV block's hash (vLLM's request field): requests
+            share cached prefix blocks only when their salts are equal.
     """
 
     priority: int = 0
     ttft_slo: float | None = None
     itl_slo: float | None = None
+    tenant: str | None = None
+    cache_salt: str | None = None
 
     def check_policy(self, policy: str) -> None:
         """Refuse a field ``policy`` would silently ignore (vLLM answers 400 for a non-zero
@@ -60,9 +66,9 @@ class RequestOptions:
         Raises:
             ValueError: ``"field: ..."`` naming the field and the policy that uses it.
         """
-        if self.priority != 0 and policy != "priority":
-            raise ValueError(f"priority: is only used by --scheduling-policy priority "
-                             f"(this server runs {policy}); send 0 or leave it out")
+        if self.priority != 0 and policy not in ("priority", "fair"):
+            raise ValueError(f"priority: is only used by --scheduling-policy priority or "
+                             f"fair (this server runs {policy}); send 0 or leave it out")
         for name in ("ttft_slo", "itl_slo"):
             if getattr(self, name) is not None and policy != "slo":
                 raise ValueError(f"{name}: is only used by --scheduling-policy slo "
@@ -80,12 +86,14 @@ class Request:
         eos_token_ids: ids that finish the request unless ``ignore_eos``.
         priority: lower is served first under ``scheduling_policy="priority"``.
         ttft_slo, itl_slo: latency targets in seconds for ``scheduling_policy="slo"``.
+        tenant, cache_salt: see ``RequestOptions``.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), *, priority: int = 0,
-                 ttft_slo: float | None = None, itl_slo: float | None = None) -> None:
+                 ttft_slo: float | None = None, itl_slo: float | None = None,
+                 tenant: str | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -93,6 +101,8 @@ class Request:
         self.priority = priority  # lower runs first under the priority policy
         self.ttft_slo = ttft_slo  # seconds; None: the engine's default target
         self.itl_slo = itl_slo
+        self.tenant = tenant
+        self.cache_salt = cache_salt
         self.shed_reason: str | None = None  # why load shedding rejected it
         self.output_token_ids: list[int] = []
         # Per output token: {token_id: logprob}, the sampled token plus the top-k.

@@ -20,6 +20,7 @@ from inflight.cluster import metrics as cluster_metrics
 from inflight.cluster.client import ClusterEngine, load_tokenizer
 from inflight.cluster.runtime import RayRuntime
 from inflight.config import EngineConfig
+from inflight.server.tenants import TenantSettings, describe_tenants
 from inflight.server.app import (_CLOSE_GRACE_S, API_KEY_ENV, _bind_socket, _Server, build_app,
                                  default_model_name, load_chat_template)
 
@@ -50,7 +51,7 @@ def run_cluster_serve(args: argparse.Namespace) -> int:
         raise ValueError("enable_auto_tool_choice: needs --tool-call-parser")
     config = replace(config, num_threads=replica_threads(config, n))
     template = load_chat_template(args.chat_template) if args.chat_template else None
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    tenants = TenantSettings.from_cli_args(args, os.environ.get(API_KEY_ENV))
     names = args.served_model_name or [default_model_name(config.model)]
     tokenizer = load_tokenizer(config.model)
     if template is not None:
@@ -72,18 +73,19 @@ def run_cluster_serve(args: argparse.Namespace) -> int:
                                stats_window_s=args.stats_window,
                                log_interval_s=args.stats_log_interval, log_level=log_level,
                                watchdog_timeout_s=args.watchdog_timeout)
-        app = build_app(engine, model_names=names, api_key=api_key,  # type: ignore[arg-type]
+        app = build_app(engine, model_names=names, tenants=tenants,  # type: ignore[arg-type]
                         max_body_bytes=args.max_request_body_bytes,
                         stats_window_s=args.stats_window, tool_call_parser=args.tool_call_parser,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice)
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        max_tokens_default=args.max_tokens_default)
         cluster_metrics.install(app, engine)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level.lower(),
                                    access_log=args.access_log, lifespan="on",
                                    timeout_graceful_shutdown=_CLOSE_GRACE_S)  # type: ignore[arg-type]
         server = _Server(uv_config, engine, args.shutdown_timeout)  # type: ignore[arg-type]
         logger.info("serving %s on http://%s:%d from %d replicas x %d threads, router %s "
-                    "(API key %s)", names[0], args.host, args.port, n, config.num_threads,
-                    args.router, "required" if api_key else "not required")
+                    "(%s)", names[0], args.host, args.port, n, config.num_threads,
+                    args.router, describe_tenants(tenants))
         previous = {sig: signal.signal(sig, lambda *_: None)
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         server.run(sockets=[sock])

@@ -26,6 +26,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _salt_root(salt: str) -> bytes:
+    """The first block's parent for ``salt``: a digest, so no salt can pose as another
+    chain's parent hash (that would need a BLAKE2b preimage)."""
+    return hashlib.blake2b(b"inflight cache_salt\0" + salt.encode(), digest_size=16).digest()
+
+
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     """Chained 128-bit hash of a full block (``parent`` is b"" for the first block)."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
@@ -81,9 +87,12 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
+        # A salt makes the first block's parent, so every block's hash, its own (vLLM's
+        # cache_salt): requests with different salts never share a cached block.
+        root = _salt_root(request.cache_salt) if request.cache_salt else b""
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else b"",
+            hashes.append(hash_block(hashes[-1] if hashes else root,
                                      request.token_ids_slice(i * bs, (i + 1) * bs)))
         return hashes
 

@@ -20,17 +20,28 @@
   left (Sarathi-Serve's stall-free batching with a TBT-SLO-derived budget, Agrawal et al.,
   OSDI 2024); a waiting request whose TTFT deadline cannot be met even if it started now
   is shed at once rather than served late (deadline-aware admission control).
+- ``fair``: tenants (``Request.tenant``, the name of the API key) share the engine by the
+  Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI
+  2024): each tenant's counter adds the prompt tokens computed for it and twice its
+  generated tokens (the paper's weights: an output token costs about two input tokens);
+  admission serves the tenant with the smallest counter first, and a tenant that comes
+  back after an idle spell has its counter lifted to the smallest active one, so idling
+  banks no credit. Within a tenant: ``priority`` with aging, then arrival, as ``priority``.
+  Under KV pressure the running request of the tenant with the largest counter is
+  preempted first.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import defaultdict
 from typing import Iterable
 
 from inflight.core.step_model import StepTimeModel
 from inflight.request import Request
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo", "fair")
 
 
 class FCFSPolicy:
@@ -44,6 +55,11 @@ class FCFSPolicy:
         last running request, so the key puts the first to be preempted last."""
         return None
 
+    def preemption_victim(self, running: list[Request]) -> int:
+        """Index in ``running`` of the request to preempt next: the last one (the list is
+        kept in ``running_key`` order)."""
+        return len(running) - 1
+
     def step_budget(self, running: list[Request], budget: int) -> int:
         return budget
 
@@ -53,6 +69,14 @@ class FCFSPolicy:
         (this step's tokens, as ``step_budget`` returned them) let a policy predict when
         each would get its first token."""
         return []
+
+    def on_arrival(self, req: Request, waiting: Iterable[Request],
+                   running: Iterable[Request]) -> None:
+        """``req`` joins the waiting queue (``waiting`` and ``running`` before it)."""
+
+    def charge(self, req: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A step computed ``num_prompt_tokens`` prompt tokens of ``req`` and will sample
+        ``num_output_tokens`` (0 or 1) for it."""
 
 
 class PriorityPolicy(FCFSPolicy):
@@ -158,6 +182,72 @@ class SLOPolicy(FCFSPolicy):
         return shed
 
 
+class FairPolicy(PriorityPolicy):
+    """Virtual Token Counter fairness between tenants (see the module docstring).
+
+    Args:
+        aging_s: within a tenant, seconds of waiting worth one priority level.
+        output_weight: counter cost of a generated token, in prompt tokens (2, the paper's).
+
+    Attributes:
+        counters: tenant -> virtual tokens served (prompt + ``output_weight`` x output).
+    """
+
+    def __init__(self, aging_s: float, output_weight: float = 2.0) -> None:
+        super().__init__(aging_s)
+        self.output_weight = output_weight
+        self.counters: dict[str | None, float] = defaultdict(float)
+
+    def on_arrival(self, req: Request, waiting: Iterable[Request],
+                   running: Iterable[Request]) -> None:
+        # The paper's counter lift: a tenant with nothing queued or running restarts at the
+        # least counter among active tenants, so its idle time is not banked as credit.
+        active = {r.tenant for r in waiting} | {r.tenant for r in running}
+        if req.tenant in active or not active:
+            return
+        floor = min(self.counters[t] for t in active)
+        self.counters[req.tenant] = max(self.counters[req.tenant], floor)
+
+    def charge(self, req: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.counters[req.tenant] += num_prompt_tokens + self.output_weight * num_output_tokens
+
+    def waiting_order(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        """Tenants merged by their counters as admission would move them: the tenant with
+        the least counter gives its next request, whose uncomputed tokens then count
+        against it for the rest of this ordering; within a tenant, ``PriorityPolicy``'s
+        order. Preempted requests (already started) keep the head, as in every policy."""
+        started = [r for r in waiting if r.first_scheduled_time is not None]
+        queues: dict[str | None, list[Request]] = defaultdict(list)
+        for r in waiting:
+            if r.first_scheduled_time is None:
+                queues[r.tenant].append(r)
+        for q in queues.values():  # next request last, for pop()
+            q.sort(key=lambda r: (self.effective_priority(r, now), r.arrival_time))
+            q.reverse()
+        heap = [(self.counters[t], q[-1].arrival_time, i, t) for i, (t, q) in enumerate(queues.items())]
+        heapq.heapify(heap)
+        order = list(started)
+        while heap:
+            counter, _, i, tenant = heapq.heappop(heap)
+            q = queues[tenant]
+            req = q.pop()
+            order.append(req)
+            if q:
+                cost = req.num_tokens - req.num_computed_tokens
+                heapq.heappush(heap, (counter + cost, q[-1].arrival_time, i, tenant))
+        return order
+
+    def running_key(self, req: Request) -> int | None:
+        return None  # preemption order is chosen by counters at the time: see preemption_victim
+
+    def preemption_victim(self, running: list[Request]) -> int:
+        """Index in ``running`` of the request to preempt: the tenant with the largest
+        counter, its latest-admitted request (lowest priority first within it)."""
+        worst = max(self.counters[r.tenant] for r in running)
+        candidates = [i for i, r in enumerate(running) if self.counters[r.tenant] == worst]
+        return max(candidates, key=lambda i: (running[i].priority, i))
+
+
 def make_policy(name: str, *, ttft_slo: float | None, itl_slo: float | None,
                 priority_aging_s: float, step_model: StepTimeModel) -> FCFSPolicy:
     """The policy object for ``--scheduling-policy name``.
@@ -171,4 +261,6 @@ def make_policy(name: str, *, ttft_slo: float | None, itl_slo: float | None,
         return PriorityPolicy(priority_aging_s)
     if name == "slo":
         return SLOPolicy(ttft_slo, itl_slo, step_model)
+    if name == "fair":
+        return FairPolicy(priority_aging_s)
     raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {name!r}")

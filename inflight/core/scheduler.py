@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from inflight.core.kv_cache import KVCacheManager
+from inflight.core.overload import OverloadShedder, capped_step_budget
 from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
 from inflight.core.policies import make_batching_policy
 from inflight.core.queue_policy import make_policy
@@ -63,6 +64,10 @@ class SchedulerConfig(Protocol):
     def max_queue_time(self) -> float | None: ...
     @property
     def priority_aging_s(self) -> float: ...
+    @property
+    def overload_ttft(self) -> float | None: ...
+    @property
+    def max_step_time(self) -> float | None: ...
 
 
 class Scheduler:
@@ -113,6 +118,8 @@ class Scheduler:
         self.policy = make_policy(config.scheduling_policy, ttft_slo=config.ttft_slo,
                                   itl_slo=config.itl_slo, priority_aging_s=config.priority_aging_s,
                                   step_model=self.step_model)
+        self.overload = OverloadShedder(config.overload_ttft, self.step_model,
+                                        now=clock())
         self.batching = make_batching_policy(config.batching_policy,
                                              max_num_seqs=config.max_num_seqs,
                                              max_queue_delay=config.max_queue_delay)
@@ -156,6 +163,7 @@ class Scheduler:
         return max_tokens
 
     def add_request(self, request: Request) -> None:
+        self.policy.on_arrival(request, self.waiting, self.running)
         self.waiting.append(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -205,10 +213,13 @@ class Scheduler:
         self.kv_cache.begin_step()
         out = SchedulerOutput()
         budget = self.policy.step_budget(self.running, self.config.max_num_batched_tokens)
+        budget = capped_step_budget(self.step_model, self.running, budget,
+                                    self.config.max_step_time)
         self._shed(out, now, budget)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
+        self.overload.observe(now, not self.waiting, len(out.shed))
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[SampleResult],
@@ -268,7 +279,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv_cache.allocate(req, n):
-                victim = self.running.pop()  # the policy keeps the first victim last
+                # Only requests not yet given tokens this step (from i on) can be victims.
+                victim = self.running.pop(i + self.policy.preemption_victim(self.running[i:]))
                 self._preempt(victim, out)
                 if victim is req:
                     return budget
@@ -325,9 +337,11 @@ class Scheduler:
 
     def _shed(self, out: SchedulerOutput, now: float, budget: int) -> None:
         """Reject waiting requests that can no longer be served in time (load shedding):
-        those past ``max_queue_time`` and those the policy finds infeasible."""
+        those past ``max_queue_time``, those the policy finds infeasible, and a standing
+        queue's requests predicted to start too late (``core.overload``)."""
         if not self.waiting or (self.config.max_queue_time is None
-                                and self.config.scheduling_policy != "slo"):
+                                and self.config.scheduling_policy != "slo"
+                                and not self.overload.overloaded(now)):
             return  # nothing can be shed: keep the per-step cost at zero
         limit = self.config.max_queue_time
         shed = [(r, f"waited {now - r.arrival_time:.2f} s, longer than max_queue_time {limit:g} s")
@@ -337,6 +351,9 @@ class Scheduler:
         rest = [r for r in self.waiting if r.request_id not in seen]
         shed += [(r, why) for r, why in self.policy.infeasible(rest, now, self.running, budget)
                  if r.first_scheduled_time is None]
+        seen |= {r.request_id for r, _ in shed}
+        rest = [r for r in self.waiting if r.request_id not in seen]
+        shed += self.overload.shed(self.policy.waiting_order(rest, now), self.running, now, budget)
         for req, why in shed:
             req.shed_reason = why
             self.finish_request(req, RequestStatus.FINISHED_ABORTED)
@@ -359,14 +376,16 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens
+        samples = start + n == req.num_tokens
         out.scheduled.append(ScheduledRequest(
             request=req,
             token_ids=req.token_ids_slice(start, start + n),
             num_computed_tokens=start,
             block_table=self.kv_cache.get_block_table(req.request_id),
-            samples=start + n == req.num_tokens,
+            samples=samples,
         ))
         out.num_batched_tokens += n
+        self.policy.charge(req, max(0, min(start + n, req.num_prompt_tokens) - start), int(samples))
         req.num_computed_tokens += n
         self._count_recomputed(req.request_id, start, start + n)
         self.kv_cache.cache_full_blocks(req)

@@ -133,7 +133,8 @@ class OutputProcessor:
                 seq_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             req = Request(seq_id, prompt_token_ids, seq_params, arrival_time, eos_token_ids,
                           priority=options.priority, ttft_slo=options.ttft_slo,
-                          itl_slo=options.itl_slo)
+                          itl_slo=options.itl_slo, tenant=options.tenant,
+                          cache_salt=options.cache_salt)
             seq = _Sequence(req, i, self._make_detokenizer(req), group)
             group.seqs.append(seq)
             self._seqs[seq_id] = seq

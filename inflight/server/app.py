@@ -46,6 +46,8 @@ from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics
 from inflight.server.middleware import (AdmissionMiddleware, ApiKeyMiddleware,
                                         BodySizeLimitMiddleware)
+from inflight.server.tenants import (DEFAULT_TENANT, TenantKeys, TenantLimits, TenantSettings,
+                                     add_tenant_args, describe_tenants)
 from inflight.server.tool_parsers import TOOL_PARSERS
 from inflight.server.protocol import (MAX_TOKENS_MARK, TOKEN_ID_MARK, ChatCompletionRequest,
                                       CompletionRequest, DetokenizeRequest, TokenizeRequest)
@@ -62,20 +64,26 @@ API_KEY_ENV = "INFLIGHT_API_KEY"
 def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stats_window_s: float = 60.0,
               manage_engine: bool = True, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tenants: TenantSettings | None = None,
+              max_tokens_default: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
         engine: the engine loop; started by the app's lifespan (and shut down with it
             when ``manage_engine``).
         model_names: names clients may use in ``model``; the first is reported.
-        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
+        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>`` (the
+            tenant ``default``; ``tenants`` adds named keys).
         max_body_bytes: larger request bodies get 413.
         stats_window_s: seconds covered by ``/stats`` and the ``*_window`` gauges.
         manage_engine: shut the engine down when the app stops.
         tool_call_parser: how ``tool_choice: "auto"`` replies are parsed into tool calls
             (``tool_parsers.TOOL_PARSERS``); None: no auto tool choice.
         enable_auto_tool_choice: allow ``tool_choice: "auto"`` (vLLM's flag).
+        tenants: API keys by tenant, per-tenant limits, prefix-cache sharing
+            (``server/tenants.py``).
+        max_tokens_default: tokens a request generates when its body sets no limit
+            (``--max-tokens-default``; None: what ``max_model_len`` leaves).
 
     Raises:
         ValueError: no model name, an unknown tool parser, or auto tool choice without one.
@@ -93,8 +101,16 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
                             config_labels=_config_labels(engine, model_names[0]),
                             model_name=model_names[0], cache_config=_cache_config(engine))
     engine.listeners.append(metrics.on_step)
+    tenants = tenants or TenantSettings()
+    keys = dict(tenants.keys)
+    if api_key:
+        keys.setdefault(api_key, DEFAULT_TENANT)
+    tenant_keys = TenantKeys(keys)
+    limits = TenantLimits(tenants.max_concurrent_requests, tenants.tokens_per_minute,
+                          tenant_keys.names, metrics.registry, model_name=model_names[0])
     ctx = ServerContext(engine, list(model_names), metrics, TokenTexts(engine.tokenizer),
-                        tool_call_parser, enable_auto_tool_choice)
+                        tool_call_parser, enable_auto_tool_choice, max_tokens_default,
+                        isolate_prefix_cache=not tenants.shared_prefix_cache, tenants=limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,8 +126,8 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
     # Starlette runs the middleware added last first: the key, then admission, then size.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(AdmissionMiddleware, refusal=engine.refusal, paths=_GENERATION_PATHS)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=_needs_key)
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=tenant_keys, protected=_needs_key)
     app.include_router(_v1_router(ctx))
     app.include_router(_ops_router(ctx, metrics))
     app.include_router(_admin_router(ctx))
@@ -131,7 +147,7 @@ def _needs_key(path: str) -> bool:
 
 # Request fields each scheduling policy acts on; under another policy they are refused
 # (RequestOptions.check_policy) and left out of the document.
-_POLICY_FIELDS = {"priority": ("priority",), "slo": ("ttft_slo", "itl_slo")}
+_POLICY_FIELDS = {"priority": ("priority", "fair"), "ttft_slo": ("slo",), "itl_slo": ("slo",)}
 
 
 def _openapi(app: FastAPI, engine: AsyncEngine, model_names: Sequence[str]) -> dict[str, Any]:
@@ -168,7 +184,7 @@ def _openapi(app: FastAPI, engine: AsyncEngine, model_names: Sequence[str]) -> d
                 if param.get("name") == "model_id":
                     param["schema"] = {"type": "string", "enum": list(model_names)}
     policy = engine.config.scheduling_policy
-    ignored = [f for p, fields in _POLICY_FIELDS.items() if p != policy for f in fields]
+    ignored = [f for f, policies in _POLICY_FIELDS.items() if policy not in policies]
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
                  "DetokenizeRequest"):
         props = schemas.get(name, {}).get("properties", {})
@@ -298,7 +314,12 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
         **R.errors(400, 401, 404, 413, 500, 503)})
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI's legacy completions (https://platform.openai.com/docs/api-reference/completions)."""
-        gen = await serving.prepare_completion(ctx, body, time.monotonic())
+        lease = ctx.admit_tenant(request)
+        try:
+            gen = await serving.prepare_completion(ctx, body, time.monotonic(), lease)
+        except BaseException:
+            lease.release()
+            raise
         return await _respond(request, gen, body, serving.stream_completion,
                               serving.completion_response)
 
@@ -308,7 +329,12 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
         **R.errors(400, 401, 404, 413, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """OpenAI's chat completions (https://platform.openai.com/docs/api-reference/chat)."""
-        gen = await serving.prepare_chat(ctx, body, time.monotonic())
+        lease = ctx.admit_tenant(request)
+        try:
+            gen = await serving.prepare_chat(ctx, body, time.monotonic(), lease)
+        except BaseException:
+            lease.release()
+            raise
         return await _respond(request, gen, body, serving.stream_chat, serving.chat_response)
 
     return router
@@ -404,19 +430,22 @@ def _ops_router(ctx: ServerContext, metrics: ServerMetrics) -> APIRouter:
 # --- inflight serve -----------------------------------------------------------------------
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``inflight serve`` (server flags plus every engine flag) to ``subparsers``."""
-    from inflight.config import EngineConfig
+    from inflight.config import DEFAULT_MAX_STEP_TIME, DEFAULT_OVERLOAD_TTFT, EngineConfig
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+    add_tenant_args(p)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients use in 'model' (default: the --model argument, or the "
                         "bundled model's name)")
     p.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
                    help="sequences allowed to wait for admission; past it requests get 503 "
                         "with Retry-After (default %(default)s)")
+    p.add_argument("--max-tokens-default", type=int, default=None, metavar="N",
+                   help="tokens a request generates when it sets no max_tokens (default: "
+                        "what max_model_len leaves, as vLLM); bounds the time a request "
+                        "whose grammar or prompt never ends holds its place")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default %(default)s)")
     p.add_argument("--stats-window", type=float, default=60.0,
@@ -446,6 +475,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice auto (needs --tool-call-parser), as vLLM")
     EngineConfig.add_cli_args(p)
+    # A server protects its running requests by default; the engine (offline batches) not.
+    p.set_defaults(overload_ttft=DEFAULT_OVERLOAD_TTFT,
+                   max_step_time=DEFAULT_MAX_STEP_TIME)
     return p
 
 
@@ -580,10 +612,12 @@ def run_serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args)
     if args.max_num_waiting < 0:
         raise ValueError(f"max_num_waiting: must be >= 0, got {args.max_num_waiting}")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise ValueError(f"max_tokens_default: must be >= 1, got {args.max_tokens_default}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice: needs --tool-call-parser")
     template = load_chat_template(args.chat_template) if args.chat_template else None
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    tenants = TenantSettings.from_cli_args(args, os.environ.get(API_KEY_ENV))
     names = args.served_model_name or [default_model_name(config.model)]
     sock = _bind_socket(args.host, args.port)
     core = build_engine_off_main_thread(lambda: Engine(config))
@@ -600,10 +634,11 @@ def run_serve(args: argparse.Namespace) -> int:
         from inflight.sim.steplog import StepLog
         step_log = StepLog(args.step_log, engine, args.max_num_waiting)
         engine.listeners.append(step_log)
-    app = build_app(engine, model_names=names, api_key=api_key,
+    app = build_app(engine, model_names=names, tenants=tenants,
                     max_body_bytes=args.max_request_body_bytes, stats_window_s=args.stats_window,
                     tool_call_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice)
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    max_tokens_default=args.max_tokens_default)
     log_level = getattr(args, "log_level", "info").lower()
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                access_log=args.access_log, lifespan="on",
@@ -611,8 +646,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=_CLOSE_GRACE_S)  # type: ignore[arg-type]
     server = _Server(uv_config, engine, args.shutdown_timeout)
     engine.on_dead.append(server.engine_died)
-    logger.info("serving %s on http://%s:%d (API key %s)", names[0], args.host, args.port,
-                "required" if api_key else "not required")
+    logger.info("serving %s on http://%s:%d (%s)", names[0], args.host, args.port,
+                describe_tenants(tenants))
     # uvicorn re-raises the signal it shut down on once it has restored the previous
     # handlers; a no-op handler here turns that into a clean return (exit status 0).
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

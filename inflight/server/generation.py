@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import dataclass, replace
+
+from prometheus_client import CollectorRegistry
 
 from inflight.engine import inputs
 from inflight.engine.async_engine import AsyncEngine, Reservation
@@ -26,6 +29,7 @@ from inflight.server.errors import OpenAIError, bad_request, from_value_error, t
 from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics
 from inflight.server.protocol import SamplingRequest
+from inflight.server.tenants import DEFAULT_TENANT, TenantLease, TenantLimits
 from inflight.structured_output import StructuredOutputsParams
 
 
@@ -39,6 +43,34 @@ class ServerContext:
     token_texts: TokenTexts
     tool_call_parser: str | None = None  # --tool-call-parser (server/tool_parsers.py)
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    max_tokens_default: int | None = None  # --max-tokens-default
+    # Per-tenant prefix caches (server/tenants.py): each tenant's requests are salted.
+    isolate_prefix_cache: bool = False
+    tenants: TenantLimits | None = None  # per-tenant limits and series
+
+    def admit_tenant(self, request: Any) -> TenantLease:
+        """A place for one call of the tenant the API key middleware found for ``request``
+        (a Starlette request; no key: ``default``), else 429 (``TenantLimits.admit``)."""
+        tenant = request.scope.get("state", {}).get("tenant", DEFAULT_TENANT)
+        if self.tenants is None:
+            self.tenants = TenantLimits(None, None, (), CollectorRegistry())
+        return self.tenants.admit(tenant)
+
+    def default_max_tokens(self, max_tokens: int | None, prompt_len: int) -> int | None:
+        """``max_tokens`` as the body gave it, or ``--max-tokens-default`` when it gave none
+        (lowered to what ``max_model_len`` leaves; None: that room, as vLLM)."""
+        if max_tokens is not None or self.max_tokens_default is None:
+            return max_tokens
+        return max(1, min(self.max_tokens_default, self.engine.max_model_len - prompt_len))
+
+    def options(self, req: SamplingRequest, tenant: TenantLease | None) -> RequestOptions:
+        """The scheduler's fields of ``req`` with its tenant; the prefix-cache salt is the
+        body's ``cache_salt``, joined to the tenant's name when tenants are isolated."""
+        name = tenant.name if tenant is not None else None
+        salt = req.cache_salt
+        if self.isolate_prefix_cache and name is not None:
+            salt = f"tenant={name}" + ("" if salt is None else f"\0{salt}")
+        return replace(req.options(), tenant=name, cache_salt=salt)
 
     @property
     def model_name(self) -> str:
@@ -166,13 +198,17 @@ class Generation:
         param_names: engine field names -> this route's, for error bodies.
         stream: whether the call streams; a non-streamed one asks the engine for final
             outputs only (``AsyncEngine.add_request(stream=False)``).
+        tenant: the call's place under its tenant's limits: charged with the prompt tokens
+            at ``start`` and the generated ones as they come, released when the call ends.
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], arrival_time: float, reservation: Reservation,
                  options: RequestOptions | None = None,
-                 param_names: dict[str, str] | None = None, stream: bool = True) -> None:
+                 param_names: dict[str, str] | None = None, stream: bool = True,
+                 tenant: TenantLease | None = None) -> None:
         self.ctx = ctx
+        self.tenant = tenant
         self.stream = stream
         self.reservation = reservation
         self.options = options
@@ -204,11 +240,16 @@ class Generation:
             raise to_openai(e, self.param_names) from None
         finally:
             self.reservation.release()
+        if self.tenant is not None:
+            self.tenant.charge(self.num_prompt_tokens * self.n, "prompt")
 
     def abort(self) -> None:
-        """Abort every unfinished engine request of this call (idempotent)."""
+        """Abort every unfinished engine request of this call, and give back its tenant's
+        place (idempotent)."""
         for s in self.streams:
             s.abort()
+        if self.tenant is not None:
+            self.tenant.release()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -247,10 +288,10 @@ class Generation:
         try:
             if len(self.streams) == 1:
                 async for out in self.streams[0]:
-                    yield 0, _checked(out)
+                    yield 0, self._charged(_checked(out))
                 return
             async for item in _interleave(self.streams):
-                yield item[0], _checked(item[1])
+                yield item[0], self._charged(_checked(item[1]))
         except EngineError as e:
             # The call failed and its requests are aborted: no summary wants their params
             # (one the engine failed on its thread never reaches the metrics listener).
@@ -259,6 +300,11 @@ class Generation:
             raise to_openai(e, self.param_names) from None
         finally:
             self.abort()
+
+    def _charged(self, out: RequestOutput) -> RequestOutput:
+        if self.tenant is not None:
+            self.tenant.charge(sum(len(c.token_ids) for c in out.outputs))
+        return out
 
     async def collect(self) -> list[RequestOutput]:
         """Run to the end; the cumulative final output per prompt."""

@@ -253,7 +253,7 @@ class ServerMetrics:
             "(stop, length, abort; error when the engine failed the request).",
             ["finished_reason", *names], registry=r)
         self.requests_shed = counter(
-            "inflight:requests_shed", "Requests rejected by load shedding (--max-queue-time, "
+            "inflight:requests_shed", "Requests rejected by load shedding (--overload-ttft, --max-queue-time, "
             "the slo policy) with a 503; their sequences also count as finished_reason abort.")
         if config_labels:
             child(Info("inflight:engine_config", "Engine settings.", names,

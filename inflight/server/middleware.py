@@ -8,15 +8,17 @@ responses and hide client disconnects from the routes.
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Callable
 
 from inflight.errors import EngineError
 from inflight.server.errors import error_body, to_openai
+from inflight.server.tenants import TenantKeys
 
 
 class ApiKeyMiddleware:
-    """401 unless ``Authorization: Bearer <api_key>`` on the paths ``protected(path)`` names.
+    """401 unless ``Authorization: Bearer <key>`` with one of ``keys`` on the paths
+    ``protected(path)`` names; the key's tenant goes to the route as ``request.state.tenant``
+    (``server/tenants.py``).
 
     Checked ahead of the route, so a wrong key gets 401 whatever the body holds (malformed
     JSON, a huge body): a route dependency would run only after FastAPI parsed the body,
@@ -24,15 +26,17 @@ class ApiKeyMiddleware:
     the key in a middleware too).
     """
 
-    def __init__(self, app, api_key: str, protected: Callable[[str], bool]) -> None:
+    def __init__(self, app, keys: TenantKeys, protected: Callable[[str], bool]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.keys = keys
         self.protected = protected
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self.protected(scope["path"]):
             got = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expected):
+            tenant = self.keys.tenant(got)
+            scope.setdefault("state", {})["tenant"] = tenant
+            if tenant is None:
                 await _reply(send, 401, "Incorrect or missing API key (send Authorization: "
                              "Bearer <key>).", code="invalid_api_key",
                              headers=[(b"www-authenticate", b"Bearer")])

@@ -157,6 +157,8 @@ class SamplingRequest(_Strict):
     priority: int = 0
     ttft_slo: Annotated[float, Field(gt=0)] | None = None
     itl_slo: Annotated[float, Field(gt=0)] | None = None
+    # vLLM's: requests share cached prefix blocks only when their salts are equal.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     def options(self) -> RequestOptions:
         """The scheduler's per-request fields."""

@@ -25,6 +25,7 @@ from inflight.server.logprobs import (chat_logprobs, completion_logprobs, echo_l
                                       prompt_logprobs)
 from inflight.server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from inflight.server.structured import check_structured_outputs
+from inflight.server.tenants import TenantLease
 from inflight.server.tools import plan_tools, template_tool_call
 from inflight.tokenizer import ChatTemplateError
 
@@ -37,15 +38,16 @@ def completion_max_tokens(ctx: ServerContext, req: CompletionRequest, prompt_len
     has less room left, so that leaving the field out never turns a prompt that fits into
     a 400."""
     if "max_tokens" in req.model_fields_set:
-        return 1 if req.max_tokens == 0 else req.max_tokens
+        return 1 if req.max_tokens == 0 else ctx.default_max_tokens(req.max_tokens, prompt_len)
     if prompt_len + COMPLETION_DEFAULT_MAX_TOKENS <= ctx.engine.max_model_len:
         return COMPLETION_DEFAULT_MAX_TOKENS
     return None  # what is left of the context (a prompt too long for it is still a 400)
 
 
 async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
-                             arrival_time: float) -> Generation:
-    """Validate and tokenize a completions body (raises ``OpenAIError``)."""
+                             arrival_time: float, tenant: TenantLease | None = None) -> Generation:
+    """Validate and tokenize a completions body (raises ``OpenAIError``); ``tenant``: the
+    caller's place under its tenant's limits, charged with the call's tokens."""
     check_common(ctx, req)
     check_completion_fields(req)
     raw: list[str] | list[list[int]] | list[str | list[int]]
@@ -82,7 +84,7 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
             structured_outputs=structured, n=num_seqs, prompt_logprobs=prompt_lps)
             for ids in prompts]
         gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival_time,
-                         reservation, req.options(), stream=req.stream)
+                         reservation, ctx.options(req, tenant), stream=req.stream, tenant=tenant)
         if req.echo:
             tok = ctx.engine.tokenizer
             gen.prompt_texts = [p if isinstance(p, str) else await asyncio.to_thread(
@@ -252,8 +254,9 @@ async def _guard(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput | Op
 
 # --- chat ---------------------------------------------------------------------------------
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
-                       arrival_time: float) -> Generation:
-    """Validate a chat body, render the chat template and tokenize (raises ``OpenAIError``)."""
+                       arrival_time: float, tenant: TenantLease | None = None) -> Generation:
+    """Validate a chat body, render the chat template and tokenize (raises ``OpenAIError``);
+    ``tenant`` as in ``prepare_completion``."""
     check_common(ctx, req)
     messages = render_messages(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -274,7 +277,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         if not ids:
             raise bad_request("messages: the rendered prompt is empty", param="messages")
         names = {"prompt": "messages", "max_tokens": max_param}
-        mt = check_prompt_len(ctx.engine, len(ids), max_tokens, names)
+        mt = check_prompt_len(ctx.engine, len(ids), ctx.default_max_tokens(max_tokens, len(ids)),
+                              names)
         forced = plan.structured if plan is not None else None
         structured = await check_structured_outputs(
             ctx, req, (forced, plan.source) if plan is not None and forced is not None else None)
@@ -282,7 +286,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
                                        {"logprobs": "top_logprobs", "max_tokens": max_param},
                                        structured_outputs=structured)
         return Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", [ids], [params], arrival_time,
-                          reservation, req.options(), names, stream=req.stream)
+                          reservation, ctx.options(req, tenant), names, stream=req.stream,
+                          tenant=tenant)
     except BaseException:  # a 400 after admission, or the client gone: free the places
         reservation.release()
         raise

@@ -1,0 +1,136 @@
+"""Overload protection (core/overload.py): the step-time cap on the budget and the shedding
+of a standing queue, exact against the step model's arithmetic."""
+
+from __future__ import annotations
+
+from inflight.config import EngineConfig
+from inflight.core.kv_cache import KVCacheManager
+from inflight.core.output import SampleResult
+from inflight.core.overload import OverloadShedder, capped_step_budget
+from inflight.core.scheduler import Scheduler
+from inflight.core.step_model import StepTimeModel
+from inflight.request import Request
+from inflight.sampling_params import SamplingParams
+from tests.core.test_queue_policy import _ready_model
+
+P = SamplingParams(max_tokens=64)
+
+
+def _decoding(rid: str, t: float = 0.0) -> Request:
+    r = Request(rid, [1, 2, 3, 4], P, arrival_time=t)
+    r.num_computed_tokens = 4
+    r.append_output_token(5, None, now=t)
+    return r
+
+
+def test_step_cap_lowers_the_budget_only_while_requests_decode():
+    m = _ready_model(a=0.01, b=0.001)  # a step of n tokens takes 0.01 + 0.001 n s
+    running = [_decoding("d")]
+    assert capped_step_budget(m, running, 2048, 0.5) == 490  # (0.5 - 0.01) / 0.001
+    assert capped_step_budget(m, running, 300, 0.5) == 300
+    assert capped_step_budget(m, running, 2048, None) == 2048
+    prefilling = Request("p", [1] * 10, P, arrival_time=0.0)
+    assert capped_step_budget(m, [prefilling], 2048, 0.5) == 2048  # no decode to protect
+    assert capped_step_budget(StepTimeModel(), running, 2048, 0.5) == 2048  # model not ready
+    # Every decode keeps its token, and one prefill token keeps admission moving.
+    many = [_decoding(f"d{i}") for i in range(600)]
+    assert capped_step_budget(m, many, 2048, 0.5) == 601
+
+
+def test_shedder_waits_for_a_standing_queue_and_leaves_when_it_drains():
+    m = _ready_model(a=0.1, b=0.0)  # every step 0.1 s
+    s = OverloadShedder(1.0, m, interval=10.0, now=0.0)
+    late = Request("late", [1] * 10, P, arrival_time=0.0)
+    s.observe(5.0, queue_empty=False, num_shed=0)
+    assert not s.overloaded(5.0) and s.shed([late], [], 5.0, 100) == []  # a burst: served
+    s.observe(10.5, queue_empty=False, num_shed=0)
+    assert s.overloaded(10.5)
+    (req, why), = s.shed([late], [], 10.5, 100)
+    assert req is late and "first token predicted 10.60 s after arrival" in why
+    # The queue emptied because of the shedding: still overload.
+    s.observe(10.6, queue_empty=True, num_shed=1)
+    assert s.overloaded(10.6)
+    s.observe(15.0, queue_empty=True, num_shed=0)
+    assert s.overloaded(15.0)
+    # Empty, and nothing shed for a whole interval: the load went away.
+    s.observe(20.7, queue_empty=True, num_shed=0)
+    assert not s.overloaded(20.7)
+
+
+def test_shedder_predicts_the_first_token_from_the_work_ahead():
+    # 0.2 s a step; budget 100 tokens, 2 running -> 98 prompt tokens a step.
+    m = _ready_model(a=0.2, b=0.0)
+    s = OverloadShedder(1.0, m, interval=0.0, now=0.0)
+    s.observe(0.1, queue_empty=False, num_shed=0)
+    running = [_decoding("d1"), _decoding("d2")]
+    now = 50.0
+    waiting = [Request(f"w{i}", [1] * 98, P, arrival_time=now) for i in range(7)]
+    shed = s.shed(waiting, running, now, 100)
+    # w_i's first token needs (i + 1) steps = 0.2 (i + 1) s: w0..w4 within 1 s, w5, w6 not.
+    assert [r.request_id for r, _ in shed] == ["w5", "w6"]
+    # Time already waited counts: the same queue, arrived 0.5 s ago, keeps w0..w1 only.
+    for r in waiting:
+        r.arrival_time = now - 0.5
+    assert [r.request_id for r, _ in s.shed(waiting, running, now, 100)] == ["w2", "w3", "w4", "w5", "w6"]
+
+
+def _sched(**kw) -> tuple[Scheduler, list[float]]:
+    t = [0.0]
+    cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=64, **kw)
+    sched = Scheduler(cfg, KVCacheManager(4096, 16), clock=lambda: t[0])
+    sched.step_model.__dict__.update(_ready_model(a=0.1, b=0.0).__dict__)
+    return sched, t
+
+
+def _run(sched: Scheduler, t: list[float], arrivals_per_step: int, steps: int,
+         prompt_len: int = 32) -> tuple[list[Request], list[Request]]:
+    """Arrivals, then one step (0.1 s), ``steps`` times; every request decodes 64 tokens,
+    so the running set grows and the budget left for prompts shrinks."""
+    added, shed = [], []
+    for step in range(steps):
+        for i in range(arrivals_per_step):
+            r = Request(f"{step}-{i}", [1] * prompt_len, P, arrival_time=t[0])
+            sched.add_request(r)
+            added.append(r)
+        out = sched.schedule(now=t[0])
+        shed += out.shed
+        t[0] += 0.1
+        sched.update(out, [SampleResult(s.request, 7, None) for s in out.scheduled if s.samples],
+                     now=t[0])
+    return added, shed
+
+
+def test_a_burst_is_served_whole_and_a_standing_queue_is_shed():
+    sched, t = _sched(overload_ttft=1.0)
+    # A burst: 40 prompts of 32 tokens at once, 64-token steps -> queued for seconds.
+    for i in range(40):
+        sched.add_request(Request(f"b{i}", [1] * 32, P, arrival_time=0.0))
+    _, shed = _run(sched, t, 0, 60)
+    assert shed == []
+    # Sustained: 2 arrivals a step forever; the queue never empties, so after 10 s the
+    # late ones are refused with a reason, and every admitted one started within 1 s
+    # of arriving (prediction and time waited agree here: every step takes 0.1 s).
+    sched, t = _sched(overload_ttft=1.0)
+    added, shed = _run(sched, t, 2, 300)
+    assert shed and all(r.shed_reason and "overloaded" in r.shed_reason for r in shed)
+    first_shed = min(r.finished_time for r in shed)
+    assert 10.0 < first_shed < 15.0  # the queue stands once the running set has grown
+    later = [r for r in added if r.arrival_time > first_shed + 1 and r not in shed
+             and r.first_scheduled_time is not None]
+    assert later and max(r.first_scheduled_time - r.arrival_time for r in later) <= 1.0 + 1e-9
+    # Off (the engine's default): nothing is shed, the queue just grows.
+    sched, t = _sched()
+    _, shed = _run(sched, t, 2, 300)
+    assert shed == [] and sched.num_waiting > 100
+
+
+def test_serve_protects_by_default_and_the_engine_does_not():
+    from inflight.cli import build_parser
+    from inflight.config import DEFAULT_MAX_STEP_TIME, DEFAULT_OVERLOAD_TTFT
+
+    serve = EngineConfig.from_cli_args(build_parser().parse_args(["serve"]))
+    assert (serve.overload_ttft, serve.max_step_time) == (DEFAULT_OVERLOAD_TTFT, DEFAULT_MAX_STEP_TIME)
+    off = EngineConfig.from_cli_args(build_parser().parse_args(
+        ["serve", "--overload-ttft", "0", "--max-step-time", "off"]))
+    assert (off.overload_ttft, off.max_step_time) == (None, None)
+    assert (EngineConfig().overload_ttft, EngineConfig().max_step_time) == (None, None)
