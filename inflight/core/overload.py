@@ -87,22 +87,31 @@ class OverloadShedder:
         self.step_model = step_model
         self.interval = interval
         self.active = False
-        self.last_empty = now
+        self.last_empty = now  # the queue was empty at this time (seconds)
         self.last_shed = -float("inf")
+        self._was_empty, self._last_step = True, now
 
-    def observe(self, now: float, queue_empty: bool, num_shed: int) -> None:
-        """Record a step: whether the waiting queue is empty after its admission, and how
-        many requests ``shed`` refused before it."""
+    def observe(self, now: float, oldest_waiting: float | None, num_shed: int) -> None:
+        """Record a step: the arrival time of the oldest request still waiting after its
+        admission (None: the queue is empty), and how many requests ``shed`` refused
+        before it."""
         if self.ttft is None:
             return
         if num_shed:
             self.last_shed = now
-        if queue_empty:
+        if oldest_waiting is None:
             self.last_empty = now
             if now - self.last_shed > self.interval:
                 self.active = False
-        elif now - self.last_empty > self.interval:
-            self.active = True
+        else:
+            if self._was_empty:
+                # Empty at the last step, and while the engine idled since: the queue
+                # started standing when its oldest request arrived (an idle spell is not
+                # a standing queue).
+                self.last_empty = max(self._last_step, oldest_waiting)
+            if now - self.last_empty > self.interval:
+                self.active = True
+        self._was_empty, self._last_step = oldest_waiting is None, now
 
     def overloaded(self, now: float) -> bool:
         """True while overloaded (see the class docstring)."""

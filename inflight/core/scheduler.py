@@ -219,7 +219,8 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
-        self.overload.observe(now, not self.waiting, len(out.shed))
+        self.overload.observe(now, min((r.arrival_time for r in self.waiting), default=None),
+                              len(out.shed))
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[SampleResult],
