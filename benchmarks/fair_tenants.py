@@ -47,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heavy-share", type=float, default=3.0, help="heavy's rate, x its fair share L/2")
     p.add_argument("--cap", type=int, default=16, help="fair-capped: requests in flight per tenant")
     p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--server-args", default="", help="more flags for every setup's `inflight serve`")
     p.add_argument("--duration", type=float, default=120.0, help="s: the light client's window")
     p.add_argument("--workload", choices=tuple(WORKLOADS), default="azure-conv")
     p.add_argument("--out", default=str(REPO / "docs" / "results" / "fair_tenants"))
@@ -97,7 +98,8 @@ def summary(path: pathlib.Path) -> dict:
 
 def run_setup(args, name: str, out: pathlib.Path) -> dict:
     flags, tenants = SETUPS[name]
-    server = start_server(args, flags.format(cap=args.cap), out / f"{name}-server.log")
+    flags = f"{flags.format(cap=args.cap)} {args.server_args}".strip()
+    server = start_server(args, flags, out / f"{name}-server.log")
     before = describe_machine().get("loadavg")
     light_rate = args.limit / 2
     rates = {"light": light_rate, "heavy": light_rate * args.heavy_share}
@@ -117,7 +119,7 @@ def run_setup(args, name: str, out: pathlib.Path) -> dict:
                 p.terminate()
         server.terminate()
         server.wait(60)
-    return {"setup": name, "server_flags": flags.format(cap=args.cap), "rates": {t: rates[t] for t in tenants},
+    return {"setup": name, "server_flags": flags, "rates": {t: rates[t] for t in tenants},
             "loadavg_before": before, "loadavg_after": describe_machine().get("loadavg"),
             **{t: summary(out / f"{name}-{t}.json") for t in tenants}}
 
@@ -130,7 +132,8 @@ def table(rows: list[dict]) -> str:
         lt, hv = r.get("light") or {}, r.get("heavy") or {}
         p95 = lt.get("ttft_p95")
         ratio = f"{p95 / alone:.2f}" if p95 and alone else "-"
-        lines.append(f"| {r['setup']} | {r['rates'].get('light', 0):.2f} | {r['rates'].get('heavy', 0):.2f} | {_f(p95)} "
+        flags = f" (`{r['server_flags']}`)" if r.get("server_flags") else ""
+        lines.append(f"| {r['setup']}{flags} | {r['rates'].get('light', 0):.2f} | {r['rates'].get('heavy', 0):.2f} | {_f(p95)} "
                      f"| {ratio} | {_f(lt.get('ttft_p50'))} | {_f(lt.get('goodput'))} | {lt.get('completed', '-')} / "
                      f"{lt.get('failed', '-')} | {hv.get('completed', '-')} / {hv.get('failed', '-')} "
                      f"| {(r.get('loadavg_after') or ['-'])[0]} |")
