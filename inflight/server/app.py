@@ -120,7 +120,8 @@ def build_app(engine: AsyncEngine, *, model_names: Sequence[str], api_key: str |
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="inflight", summary="OpenAI-compatible LLM server", lifespan=lifespan)
-    app.openapi = lambda: _openapi(app, engine, model_names)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(  # type: ignore[method-assign]
+        app, engine, model_names, rate_limited=limits.limited)
     app.state.ctx = ctx
     install_error_handlers(app)
     # Starlette runs the middleware added last first: the key, then admission, then size.
@@ -150,7 +151,8 @@ def _needs_key(path: str) -> bool:
 _POLICY_FIELDS = {"priority": ("priority", "fair"), "ttft_slo": ("slo",), "itl_slo": ("slo",)}
 
 
-def _openapi(app: FastAPI, engine: AsyncEngine, model_names: Sequence[str]) -> dict[str, Any]:
+def _openapi(app: FastAPI, engine: AsyncEngine, model_names: Sequence[str],
+             rate_limited: bool = False) -> dict[str, Any]:
     """The OpenAPI document as this server behaves: validation failures are 400 (FastAPI
     documents 422); token ids and ``max_tokens`` carry this model's bounds, ``model`` the
     served names, and only the scheduling fields this server's policy acts on are listed;
@@ -193,6 +195,12 @@ def _openapi(app: FastAPI, engine: AsyncEngine, model_names: Sequence[str]) -> d
                                        {"type": "null"}]
         for field in ignored:
             props.pop(field, None)
+    if rate_limited:  # per-tenant limits: the generation routes may answer 429
+        for path in _GENERATION_PATHS:
+            op = doc["paths"][path]["post"]
+            op["responses"]["429"] = {
+                "description": R.errors(429)[429]["description"],
+                "content": op["responses"]["400"]["content"]}
     app.openapi_schema = doc
     return doc
 

@@ -171,6 +171,8 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The ``responses=`` entries of a route's error statuses, each with ``ErrorResponse``."""
     what = {400: "invalid request", 401: "missing or wrong API key (with --api-key)",
             404: "unknown model", 413: "request body too large",
+            429: "the tenant's rate limit (with --tenant-max-concurrent-requests or "
+                 "--tenant-tokens-per-minute)",
             500: "a fault inside the server", 503: "overloaded, shutting down, or shed"}
     return {s: {"model": ErrorResponse, "description": what[s]} for s in statuses}
 

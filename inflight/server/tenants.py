@@ -146,6 +146,11 @@ class TenantLimits:
             for kind in ("prompt", "generation"):
                 self._tokens.labels(**lab, tenant=n, kind=kind)
 
+    @property
+    def limited(self) -> bool:
+        """True when some limit is set (requests may get 429)."""
+        return self.max_concurrent is not None or self.tpm is not None
+
     def _in_flight_reader(self, name: str) -> Callable[[], float]:
         return lambda: self._usage[name].in_flight
 

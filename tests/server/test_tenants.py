@@ -166,3 +166,16 @@ def test_key_parsing_and_the_default_sharing_rule(tmp_path):
     assert forced.shared_prefix_cache
     with pytest.raises(ValueError, match="tenant_tokens_per_minute"):
         TenantSettings.from_cli_args(p.parse_args(["--tenant-tokens-per-minute", "0"]))
+
+
+def test_the_document_lists_429_only_where_limits_are_set(isolated, real_engine):
+    url, _ = isolated
+    doc = httpx.get(url + "/openapi.json", timeout=10).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert "429" in doc["paths"][path]["post"]["responses"]
+    srv, _ = serve(real_engine)
+    try:
+        doc = httpx.get(srv.base_url + "/openapi.json", timeout=10).json()
+        assert "429" not in doc["paths"]["/v1/completions"]["post"]["responses"]
+    finally:
+        srv.stop()
