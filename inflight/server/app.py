@@ -451,9 +451,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="sequences allowed to wait for admission; past it requests get 503 "
                         "with Retry-After (default %(default)s)")
     p.add_argument("--max-tokens-default", type=int, default=None, metavar="N",
-                   help="tokens a request generates when it sets no max_tokens (default: "
-                        "what max_model_len leaves, as vLLM); bounds the time a request "
-                        "whose grammar or prompt never ends holds its place")
+                   help="tokens a request generates when it sets no max_tokens (chat, or a "
+                        "completion with max_tokens null; a completion that leaves it out "
+                        "keeps OpenAI's 16); default: what max_model_len leaves, as vLLM")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default %(default)s)")
     p.add_argument("--stats-window", type=float, default=60.0,

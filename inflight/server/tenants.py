@@ -38,13 +38,15 @@ def parse_api_keys(values: Iterable[str], keys_file: str | None = None) -> dict[
     """``--api-key`` values and a keys file -> ``{secret: tenant}``.
 
     A value ``NAME=SECRET`` names its tenant (``NAME``: letters, digits, ``_.-``, at most
-    64); any other value (no ``=``, or only base64 padding after it) is a key of the tenant
-    ``default``. The file holds one ``NAME=SECRET``
-    per line; blank lines and ``#`` comments are skipped.
+    64); a value without ``=`` (or whose text before it is no name) is a key of the tenant
+    ``default``. ``NAME=`` alone, or ``NAME=`` and only ``=`` padding, is refused rather
+    than taken as the guessable key ``NAME=`` (write such a key ``default=KEY``). The file
+    holds one ``NAME=SECRET`` per line; blank lines and ``#`` comments are skipped.
 
     Raises:
-        ValueError: an empty key, a key given twice, a file line that is not
-            ``NAME=SECRET``, an unreadable file (the message says where).
+        ValueError: an empty key or name, a key given twice, a file line that is not
+            ``NAME=SECRET``, a file with no keys, an unreadable file (the message says
+            where).
     """
     entries = [(v, "--api-key") for v in values]
     if keys_file:
@@ -55,14 +57,23 @@ def parse_api_keys(values: Iterable[str], keys_file: str | None = None) -> dict[
             raise ValueError(f"--api-key-file {keys_file}: {e.strerror or e}") from None
         entries += [(line.strip(), f"{keys_file}:{i}") for i, line in enumerate(lines, 1)
                     if line.strip() and not line.lstrip().startswith("#")]
+    if keys_file and not any(w != "--api-key" for _, w in entries):
+        raise ValueError(f"--api-key-file {keys_file}: holds no keys (an empty file would "
+                         "leave the server open)")
     keys: dict[str, str] = {}
     for value, where in entries:
-        name, _, secret = value.partition("=")
-        # base64 padding ("...==") is part of a secret, not a name separator
-        if not _NAME.fullmatch(name) or not secret.strip("="):
-            if where != "--api-key":
-                raise ValueError(f"{where}: expected NAME=SECRET, NAME letters, digits and "
-                                 "_.- (at most 64)")
+        name, sep, secret = value.partition("=")
+        if sep and _NAME.fullmatch(name):
+            if not secret.strip("="):
+                # "alice=" ($UNSET) must not become the guessable key "alice=".
+                raise ValueError(f"{where}: empty key for tenant {name!r} (a key that ends "
+                                 "in '=' is written default=KEY)")
+        elif sep and not name:
+            raise ValueError(f"{where}: empty tenant name before '='")
+        elif where != "--api-key":
+            raise ValueError(f"{where}: expected NAME=SECRET, NAME letters, digits and "
+                             "_.- (at most 64)")
+        else:  # no name: the whole value is a key of the default tenant
             name, secret = DEFAULT_TENANT, value
         if not secret:
             raise ValueError(f"{where}: empty API key")
@@ -166,7 +177,7 @@ class TenantLimits:
         """
         name = self._label(tenant)
         usage = self._usage[name]
-        retry, why = None, ""
+        retry, why, kind = None, "", "requests"
         if self.max_concurrent is not None and usage.in_flight >= self.max_concurrent:
             retry, why = 1, (f"{usage.in_flight} requests in flight, the limit is "
                              f"{self.max_concurrent}")
@@ -181,12 +192,12 @@ class TenantLimits:
                     when = t + WINDOW_S
                     if freed >= need:
                         break
-                retry = max(1, math.ceil(when - now))
+                retry, kind = max(1, math.ceil(when - now)), "tokens"
                 why = f"{usage.total} tokens in the last minute, the limit is {self.tpm}"
         if retry is not None:
             self._requests.labels(**self._lab, tenant=name, outcome="rate_limited").inc()
             raise OpenAIError(429, f"Rate limit reached for tenant {name!r}: {why}; retry "
-                              f"after {retry} s.", code="rate_limit_exceeded",
+                              f"after {retry} s.", code="rate_limit_exceeded", type=kind,
                               headers={"Retry-After": str(retry)})
         usage.in_flight += 1
         self._requests.labels(**self._lab, tenant=name, outcome="admitted").inc()
@@ -286,13 +297,13 @@ def add_tenant_args(p) -> None:
 
 def describe_tenants(t: TenantSettings) -> str:
     """The start-up line's words for ``t``: keys, tenants, limits, cache sharing."""
-    if not t.keys:
-        return "API key not required"
-    names = sorted(set(t.keys.values()))
-    parts = [f"API key required; tenants {', '.join(names)}"]
+    names = sorted(set(t.keys.values())) or [DEFAULT_TENANT]
+    parts = [f"API key required; tenants {', '.join(names)}" if t.keys
+             else "API key not required; every request is tenant default"]
     if t.max_concurrent_requests is not None:
         parts.append(f"{t.max_concurrent_requests} requests in flight each")
     if t.tokens_per_minute is not None:
         parts.append(f"{t.tokens_per_minute} tokens per minute each")
-    parts.append("prefix cache " + ("shared" if t.shared_prefix_cache else "per tenant"))
+    if t.keys:
+        parts.append("prefix cache " + ("shared" if t.shared_prefix_cache else "per tenant"))
     return "; ".join(parts)

@@ -68,6 +68,7 @@ def test_a_tenant_at_its_concurrency_limit_gets_429_and_others_do_not(isolated):
             assert r.headers["retry-after"] == "1"
             err = r.json()["error"]
             assert err["code"] == "rate_limit_exceeded" and "alice" in err["message"]
+            assert err["type"] == "requests"  # OpenAI's type for a request-rate limit
             assert _complete(url, "sk-bob").status_code == 200
         # the stream closed: its request is aborted and alice's place comes back
         wait_until(lambda: engine.num_in_flight == 0, what="the held stream to end")
@@ -148,10 +149,19 @@ def test_tokens_per_minute_window_and_its_retry_after():
 def test_key_parsing_and_the_default_sharing_rule(tmp_path):
     f = tmp_path / "keys"
     f.write_text("# team keys\nalice=sk-a\n\nbob=sk-b==\n")
-    assert parse_api_keys(["plain", "c2VjcmV0=="], str(f)) == {
-        "plain": "default", "c2VjcmV0==": "default", "sk-a": "alice", "sk-b==": "bob"}
+    assert parse_api_keys(["plain", "default=c2VjcmV0==", "a/b=c"], str(f)) == {
+        "plain": "default", "c2VjcmV0==": "default", "a/b=c": "default", "sk-a": "alice",
+        "sk-b==": "bob"}
     with pytest.raises(ValueError, match="twice"):
         parse_api_keys(["a=x", "b=x"])
+    # "alice=$UNSET" must not become the guessable key "alice="
+    for bad, why in (("alice=", "empty key for tenant 'alice'"), ("c2VjcmV0==", "empty key"),
+                     ("=k", "empty tenant name")):
+        with pytest.raises(ValueError, match=why):
+            parse_api_keys([bad])
+    (tmp_path / "empty").write_text("# nothing yet\n")
+    with pytest.raises(ValueError, match="holds no keys"):
+        parse_api_keys([], str(tmp_path / "empty"))
     (tmp_path / "bad").write_text("no-name-here\n")
     with pytest.raises(ValueError, match="bad:1: expected NAME=SECRET"):
         parse_api_keys([], str(tmp_path / "bad"))
