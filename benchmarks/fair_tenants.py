@@ -28,7 +28,7 @@ import httpx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _runs import REPO, stop_on_signals  # noqa: E402  (sibling benchmark module)
 from inflight.bench.machine import describe_machine  # noqa: E402
-from limit_validation import WORKLOADS  # noqa: E402
+from limit_validation import WORKLOADS, _f  # noqa: E402
 
 KEYS = {"light": "sk-light", "heavy": "sk-heavy"}
 # setup -> (server flags, tenants sending)
@@ -138,10 +138,6 @@ def table(rows: list[dict]) -> str:
                      f"{lt.get('failed', '-')} | {hv.get('completed', '-')} / {hv.get('failed', '-')} "
                      f"| {(r.get('loadavg_after') or ['-'])[0]} |")
     return "\n".join(lines) + "\n"
-
-
-def _f(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _runs import REPO, run_bounded, stop_on_signals  # noqa: E402  (sibling benchmark module)
-from limit_validation import WORKLOADS  # noqa: E402
+from limit_validation import WORKLOADS, _f  # noqa: E402
 
 SETUPS = {"protected": "", "unprotected": "--overload-ttft 0 --max-step-time 0"}
 GOODPUT_SLO = "ttft=2,itl=1"
@@ -94,10 +94,6 @@ def table(rows: list[dict], limit: float) -> str:
                      f"| {r.get('good', '-')} | {r.get('failed', '-')} | {_f(r.get('ttft_p95'))} | {_f(r.get('itl_p95'))} "
                      f"| {la[0]} |")
     return "\n".join(lines) + f"\n\nL = {limit} req/s; goodput SLO {GOODPUT_SLO} (per request).\n"
-
-
-def _f(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
 
 
 def main(argv=None) -> int:

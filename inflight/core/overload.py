@@ -30,7 +30,7 @@ already fits (``inflight.core.step_model``):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from inflight.core.step_model import StepTimeModel
 from inflight.request import Request
@@ -86,20 +86,20 @@ class OverloadShedder:
         self.ttft = ttft
         self.step_model = step_model
         self.interval = interval
-        self.active = False
+        self.active = False  # overloaded now (the class docstring says when)
         self.last_empty = now  # the queue was empty at this time (seconds)
         self.last_shed = -float("inf")
         self._was_empty, self._last_step = True, now
 
-    def observe(self, now: float, oldest_waiting: float | None, num_shed: int) -> None:
-        """Record a step: the arrival time of the oldest request still waiting after its
-        admission (None: the queue is empty), and how many requests ``shed`` refused
-        before it."""
+    def observe(self, now: float, waiting: Collection[Request], num_shed: int) -> None:
+        """Record a step: the requests still waiting after its admission, and how many
+        requests ``shed`` refused before it. Off, it costs nothing; on, it reads the
+        waiting requests only when the queue starts standing."""
         if self.ttft is None:
             return
         if num_shed:
             self.last_shed = now
-        if oldest_waiting is None:
+        if not waiting:
             self.last_empty = now
             if now - self.last_shed > self.interval:
                 self.active = False
@@ -108,18 +108,14 @@ class OverloadShedder:
                 # Empty at the last step, and while the engine idled since: the queue
                 # started standing when its oldest request arrived (an idle spell is not
                 # a standing queue).
-                self.last_empty = max(self._last_step, oldest_waiting)
+                self.last_empty = max(self._last_step, min(r.arrival_time for r in waiting))
             if now - self.last_empty > self.interval:
                 self.active = True
-        self._was_empty, self._last_step = oldest_waiting is None, now
-
-    def overloaded(self, now: float) -> bool:
-        """True while overloaded (see the class docstring)."""
-        return self.active
+        self._was_empty, self._last_step = not waiting, now
 
     def shed(self, waiting_in_order: Iterable[Request], running: list[Request], now: float,
              budget: int) -> list[tuple[Request, str]]:
-        """Waiting requests to refuse now, with the reason; empty unless ``overloaded``.
+        """Waiting requests to refuse now, with the reason; empty unless ``active``.
 
         A request's first token is predicted at ``now`` plus the steps needed to prefill
         what is ahead of it and its own uncomputed tokens: ahead are the uncomputed prompt
@@ -130,11 +126,10 @@ class OverloadShedder:
         a request held by slots or KV is shed once it has waited ``ttft``. Requests already
         started once (preempted) are kept.
         """
-        if not self.overloaded(now):
+        if not self.active:
             return []
         assert self.ttft is not None
-        step_s = self.step_model.predict(budget) if self.step_model.ready else 0.0
-        per_step = max(budget - len(running), 1)
+        model = self.step_model
         ahead = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running)
         shed = []
         for req in waiting_in_order:
@@ -142,7 +137,8 @@ class OverloadShedder:
             if req.first_scheduled_time is not None:
                 ahead += need
                 continue
-            ttft = now + (-(-(ahead + need) // per_step)) * step_s - req.arrival_time
+            prefill = model.time_to_prefill(ahead + need, budget, len(running)) if model.ready else 0.0
+            ttft = now + prefill - req.arrival_time
             if ttft > self.ttft:
                 shed.append((req, f"overloaded: first token predicted {ttft:.2f} s after "
                                   f"arrival, over the {self.ttft:g} s the server allows once "

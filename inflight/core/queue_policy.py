@@ -38,6 +38,7 @@ import math
 from collections import defaultdict
 from typing import Iterable
 
+from inflight.core.overload import capped_step_budget
 from inflight.core.step_model import StepTimeModel
 from inflight.request import Request
 
@@ -137,16 +138,9 @@ class SLOPolicy(FCFSPolicy):
         return sorted(waiting, key=lambda r: (self.deadline(r), r.arrival_time))
 
     def step_budget(self, running: list[Request], budget: int) -> int:
-        decoding = [r for r in running if r.num_output_tokens > 0]
         targets = [t for t in (r.itl_slo if r.itl_slo is not None else self.itl_slo
-                               for r in decoding) if t is not None]
-        if not targets:
-            return budget
-        fits = self.step_model.max_tokens_within(min(targets))
-        if fits is None:
-            return budget
-        # Decodes always get their token, and one prefill token keeps admission moving.
-        return min(budget, max(fits, len(decoding) + 1))
+                               for r in running if r.num_output_tokens > 0) if t is not None]
+        return capped_step_budget(self.step_model, running, budget, min(targets, default=None))
 
     def infeasible(self, waiting: Iterable[Request], now: float, running: list[Request],
                    token_budget: int) -> list[tuple[Request, str]]:
@@ -164,15 +158,14 @@ class SLOPolicy(FCFSPolicy):
         """
         if not self.step_model.ready:
             return []
-        per_step = max(token_budget - len(running), 1)
         shed, ahead = [], 0
         for req in self.waiting_order(waiting, now):
             need = req.num_tokens - req.num_computed_tokens
             deadline = self.deadline(req)
             if math.isfinite(deadline):
                 total = ahead + need
-                steps = -(-total // per_step)
-                finish = now + steps * self.step_model.predict(min(token_budget, len(running) + total))
+                finish = now + self.step_model.time_to_prefill(
+                    total, token_budget, len(running), min(token_budget, len(running) + total))
                 if finish > deadline:
                     shed.append((req, f"TTFT deadline missed: would reach its first token "
                                       f"{finish - req.arrival_time:.2f} s after arrival at the "

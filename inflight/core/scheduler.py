@@ -219,8 +219,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
-        self.overload.observe(now, min((r.arrival_time for r in self.waiting), default=None),
-                              len(out.shed))
+        self.overload.observe(now, self.waiting, len(out.shed))
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[SampleResult],
@@ -342,19 +341,24 @@ class Scheduler:
         queue's requests predicted to start too late (``core.overload``)."""
         if not self.waiting or (self.config.max_queue_time is None
                                 and self.config.scheduling_policy != "slo"
-                                and not self.overload.overloaded(now)):
+                                and not self.overload.active):
             return  # nothing can be shed: keep the per-step cost at zero
         limit = self.config.max_queue_time
-        shed = [(r, f"waited {now - r.arrival_time:.2f} s, longer than max_queue_time {limit:g} s")
-                for r in self.waiting if limit is not None and r.first_scheduled_time is None
-                and now - r.arrival_time > limit]
-        seen = {r.request_id for r, _ in shed}
-        rest = [r for r in self.waiting if r.request_id not in seen]
-        shed += [(r, why) for r, why in self.policy.infeasible(rest, now, self.running, budget)
-                 if r.first_scheduled_time is None]
-        seen |= {r.request_id for r, _ in shed}
-        rest = [r for r in self.waiting if r.request_id not in seen]
-        shed += self.overload.shed(self.policy.waiting_order(rest, now), self.running, now, budget)
+
+        def timed_out(waiting: list[Request]) -> list[tuple[Request, str]]:
+            return [(r, f"waited {now - r.arrival_time:.2f} s, longer than max_queue_time "
+                        f"{limit:g} s") for r in waiting if limit is not None
+                    and now - r.arrival_time > limit]
+
+        rules = (timed_out,
+                 lambda w: self.policy.infeasible(w, now, self.running, budget),
+                 lambda w: self.overload.shed(self.policy.waiting_order(w, now), self.running,
+                                              now, budget))
+        shed: list[tuple[Request, str]] = []
+        for rule in rules:  # each sees the requests the ones before it kept
+            seen = {r.request_id for r, _ in shed}
+            shed += [(r, why) for r, why in rule([r for r in self.waiting if r.request_id not in seen])
+                     if r.first_scheduled_time is None]
         for req, why in shed:
             req.shed_reason = why
             self.finish_request(req, RequestStatus.FINISHED_ABORTED)

@@ -54,6 +54,14 @@ class StepTimeModel:
         a, b = self.coefficients()
         return a + b * num_tokens
 
+    def time_to_prefill(self, num_tokens: int, budget: int, num_running: int,
+                        step_tokens: int | None = None) -> float:
+        """Seconds until ``num_tokens`` prompt tokens are computed: steps of ``budget``
+        tokens less one decode token per running request (``num_running``), each taking
+        the predicted time for ``step_tokens`` tokens (default ``budget``)."""
+        per_step = max(budget - num_running, 1)
+        return -(-num_tokens // per_step) * self.predict(budget if step_tokens is None else step_tokens)
+
     def max_tokens_within(self, seconds: float) -> int | None:
         """Most tokens a step can hold and still take at most ``seconds``; None if unknown."""
         a, b = self.coefficients()

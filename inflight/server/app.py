@@ -275,6 +275,17 @@ async def _unless_disconnect(request: Request, gen: Generation, coro):
             t.cancel()
 
 
+async def _prepare(ctx: ServerContext, request: Request, prepare, body) -> Generation:
+    """Take a place under the caller's tenant limits (429 past them), then ``prepare`` the
+    body (``serving.prepare_*``); the place goes back if that fails."""
+    lease = ctx.admit_tenant(request)
+    try:
+        return await prepare(ctx, body, time.monotonic(), lease)
+    except BaseException:
+        lease.release()
+        raise
+
+
 async def _respond(request: Request, gen: Generation, body, stream_fn, response_fn):
     gen.start()
     gone = Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -322,12 +333,7 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
         **R.errors(400, 401, 404, 413, 500, 503)})
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI's legacy completions (https://platform.openai.com/docs/api-reference/completions)."""
-        lease = ctx.admit_tenant(request)
-        try:
-            gen = await serving.prepare_completion(ctx, body, time.monotonic(), lease)
-        except BaseException:
-            lease.release()
-            raise
+        gen = await _prepare(ctx, request, serving.prepare_completion, body)
         return await _respond(request, gen, body, serving.stream_completion,
                               serving.completion_response)
 
@@ -337,12 +343,7 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
         **R.errors(400, 401, 404, 413, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """OpenAI's chat completions (https://platform.openai.com/docs/api-reference/chat)."""
-        lease = ctx.admit_tenant(request)
-        try:
-            gen = await serving.prepare_chat(ctx, body, time.monotonic(), lease)
-        except BaseException:
-            lease.release()
-            raise
+        gen = await _prepare(ctx, request, serving.prepare_chat, body)
         return await _respond(request, gen, body, serving.stream_chat, serving.chat_response)
 
     return router

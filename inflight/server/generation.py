@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from prometheus_client import CollectorRegistry
 
@@ -46,15 +46,14 @@ class ServerContext:
     max_tokens_default: int | None = None  # --max-tokens-default
     # Per-tenant prefix caches (server/tenants.py): each tenant's requests are salted.
     isolate_prefix_cache: bool = False
-    tenants: TenantLimits | None = None  # per-tenant limits and series
+    # Per-tenant limits and series (build_app passes the server's; this default: none).
+    tenants: TenantLimits = field(
+        default_factory=lambda: TenantLimits(None, None, (), CollectorRegistry()))
 
     def admit_tenant(self, request: Any) -> TenantLease:
         """A place for one call of the tenant the API key middleware found for ``request``
         (a Starlette request; no key: ``default``), else 429 (``TenantLimits.admit``)."""
-        tenant = request.scope.get("state", {}).get("tenant", DEFAULT_TENANT)
-        if self.tenants is None:
-            self.tenants = TenantLimits(None, None, (), CollectorRegistry())
-        return self.tenants.admit(tenant)
+        return self.tenants.admit(request.scope.get("state", {}).get("tenant", DEFAULT_TENANT))
 
     def default_max_tokens(self, max_tokens: int | None, prompt_len: int) -> int | None:
         """``max_tokens`` as the body gave it, or ``--max-tokens-default`` when it gave none

@@ -94,11 +94,6 @@ class TenantKeys:
         self._keys = [(f"Bearer {s}".encode(), t) for s, t in keys.items()]
         self.names = sorted(set(keys.values()))
 
-    @property
-    def named(self) -> bool:
-        """True when some key names a tenant other than ``default``."""
-        return any(n != DEFAULT_TENANT for n in self.names)
-
     def tenant(self, authorization: bytes) -> str | None:
         """The tenant of ``authorization`` (the header's raw bytes), or None for no match.
         Every key is compared in constant time, so the time does not tell which matched."""
@@ -154,8 +149,9 @@ class TenantLimits:
             in_flight.labels(**lab, tenant=n).set_function(self._in_flight_reader(n))
             for outcome in ("admitted", "rate_limited"):
                 self._requests.labels(**lab, tenant=n, outcome=outcome)
-            for kind in ("prompt", "generation"):
-                self._tokens.labels(**lab, tenant=n, kind=kind)
+        # Resolved once: charging runs for every streamed delta.
+        self._token_series = {(n, kind): self._tokens.labels(**lab, tenant=n, kind=kind)
+                              for n in self.names for kind in ("prompt", "generation")}
 
     @property
     def limited(self) -> bool:
@@ -210,7 +206,7 @@ class TenantLimits:
     def _charge(self, name: str, tokens: int, kind: str) -> None:
         if tokens <= 0:
             return
-        self._tokens.labels(**self._lab, tenant=name, kind=kind).inc(tokens)
+        self._token_series[name, kind].inc(tokens)
         if self.tpm is not None:
             usage = self._usage[name]
             usage.tokens.append((self.clock(), tokens))
@@ -269,8 +265,8 @@ class TenantSettings:
             if v is not None and v < 1:
                 raise ValueError(f"{name}: must be >= 1, got {v}")
         shared = args.shared_prefix_cache
-        if shared is None:
-            shared = not TenantKeys(keys).named
+        if shared is None:  # separate caches once keys name tenants
+            shared = all(name == DEFAULT_TENANT for name in keys.values())
         return cls(keys, args.tenant_max_concurrent_requests, args.tenant_tokens_per_minute,
                    shared)
 

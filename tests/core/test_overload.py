@@ -16,6 +16,10 @@ from tests.core.test_queue_policy import _ready_model
 P = SamplingParams(max_tokens=64)
 
 
+def _waiting(arrival: float) -> Request:
+    return Request(f"w@{arrival}", [1, 2], P, arrival_time=arrival)
+
+
 def _decoding(rid: str, t: float = 0.0) -> Request:
     r = Request(rid, [1, 2, 3, 4], P, arrival_time=t)
     r.num_computed_tokens = 4
@@ -41,40 +45,40 @@ def test_shedder_waits_for_a_standing_queue_and_leaves_when_it_drains():
     m = _ready_model(a=0.1, b=0.0)  # every step 0.1 s
     s = OverloadShedder(1.0, m, interval=10.0, now=0.0)
     late = Request("late", [1] * 10, P, arrival_time=0.0)
-    s.observe(0.1, oldest_waiting=0.0, num_shed=0)
-    s.observe(5.0, oldest_waiting=0.0, num_shed=0)
-    assert not s.overloaded(5.0) and s.shed([late], [], 5.0, 100) == []  # a burst: served
-    s.observe(10.5, oldest_waiting=0.0, num_shed=0)
-    assert s.overloaded(10.5)
+    s.observe(0.1, [_waiting(0.0)], num_shed=0)
+    s.observe(5.0, [_waiting(0.0)], num_shed=0)
+    assert not s.active and s.shed([late], [], 5.0, 100) == []  # a burst: served
+    s.observe(10.5, [_waiting(0.0)], num_shed=0)
+    assert s.active
     (req, why), = s.shed([late], [], 10.5, 100)
     assert req is late and "first token predicted 10.60 s after arrival" in why
     # The queue emptied because of the shedding: still overload.
-    s.observe(10.6, oldest_waiting=None, num_shed=1)
-    assert s.overloaded(10.6)
-    s.observe(15.0, oldest_waiting=None, num_shed=0)
-    assert s.overloaded(15.0)
+    s.observe(10.6, [], num_shed=1)
+    assert s.active
+    s.observe(15.0, [], num_shed=0)
+    assert s.active
     # Empty, and nothing shed for a whole interval: the load went away.
-    s.observe(20.7, oldest_waiting=None, num_shed=0)
-    assert not s.overloaded(20.7)
+    s.observe(20.7, [], num_shed=0)
+    assert not s.active
 
 
 def test_an_idle_spell_is_not_a_standing_queue():
     s = OverloadShedder(1.0, _ready_model(a=0.1, b=0.0), interval=10.0, now=0.0)
-    s.observe(1.0, oldest_waiting=None, num_shed=0)
+    s.observe(1.0, [], num_shed=0)
     # No steps while idle; a burst arrives at t=60 and is still queued at the next step.
-    s.observe(60.2, oldest_waiting=60.0, num_shed=0)
-    assert not s.overloaded(60.2)
-    s.observe(69.9, oldest_waiting=60.0, num_shed=0)
-    assert not s.overloaded(69.9)
-    s.observe(70.1, oldest_waiting=60.5, num_shed=0)  # never emptied since t=60
-    assert s.overloaded(70.1)
+    s.observe(60.2, [_waiting(60.0)], num_shed=0)
+    assert not s.active
+    s.observe(69.9, [_waiting(60.0)], num_shed=0)
+    assert not s.active
+    s.observe(70.1, [_waiting(60.5)], num_shed=0)  # never emptied since t=60
+    assert s.active
 
 
 def test_shedder_predicts_the_first_token_from_the_work_ahead():
     # 0.2 s a step; budget 100 tokens, 2 running -> 98 prompt tokens a step.
     m = _ready_model(a=0.2, b=0.0)
     s = OverloadShedder(1.0, m, interval=0.0, now=0.0)
-    s.observe(0.1, oldest_waiting=0.0, num_shed=0)
+    s.observe(0.1, [_waiting(0.0)], num_shed=0)
     running = [_decoding("d1"), _decoding("d2")]
     now = 50.0
     waiting = [Request(f"w{i}", [1] * 98, P, arrival_time=now) for i in range(7)]

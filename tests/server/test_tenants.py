@@ -11,6 +11,8 @@ import pytest
 from inflight.server.tenants import (TenantLimits, TenantSettings, add_tenant_args,
                                      parse_api_keys)
 from prometheus_client import CollectorRegistry
+
+from inflight.server.errors import OpenAIError
 from tests.server.conftest import MODEL, serve, wait_until
 from tests.server.test_robustness import _scrape
 
@@ -135,7 +137,7 @@ def test_tokens_per_minute_window_and_its_retry_after():
     t[0] += 10
     lease.charge(50)
     lease.release()
-    with pytest.raises(Exception) as e:
+    with pytest.raises(OpenAIError) as e:
         limits.admit("alice")  # 110 tokens in the window
     assert e.value.status == 429
     # 11 tokens must expire: the first 60, at t = 1000 + 60
