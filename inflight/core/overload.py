@@ -30,7 +30,7 @@ already fits (``inflight.core.step_model``):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from inflight.core.step_model import StepTimeModel
 from inflight.request import Request
@@ -39,6 +39,9 @@ from inflight.request import Request
 # ten seconds' work (hundreds of requests on a small model) through whole, and still reacts
 # well inside the 60 s windows an operating-limit search judges.
 OVERLOAD_INTERVAL_S = 10.0
+# The step cap's first budget while the step-time model cannot predict yet (tokens): a
+# quarter of the default token budget, a fraction of a second on a 2-core CPU.
+SLOW_START_TOKENS = 512
 
 
 def capped_step_budget(step_model: StepTimeModel, running: list[Request], budget: int,
@@ -54,6 +57,9 @@ def capped_step_budget(step_model: StepTimeModel, running: list[Request], budget
     Returns:
         ``budget``, lowered to the tokens a step of ``max_step_time`` holds, never below one
         token per decoding request plus one (decodes always advance, and admission moves).
+        Before the model can answer (``max_tokens_within``), the cap is
+        ``SLOW_START_TOKENS``: a server restarted into overload does not run its first
+        steps unbounded.
     """
     if max_step_time is None:
         return budget
@@ -62,7 +68,7 @@ def capped_step_budget(step_model: StepTimeModel, running: list[Request], budget
         return budget
     fits = step_model.max_tokens_within(max_step_time)
     if fits is None:
-        return budget
+        fits = SLOW_START_TOKENS
     return min(budget, max(fits, decoding + 1))
 
 
@@ -114,30 +120,37 @@ class OverloadShedder:
         self._was_empty, self._last_step = not waiting, now
 
     def shed(self, waiting_in_order: Iterable[Request], running: list[Request], now: float,
-             budget: int) -> list[tuple[Request, str]]:
+             budget: int, protected: Callable[[Request], bool] | None = None,
+             ) -> list[tuple[Request, str]]:
         """Waiting requests to refuse now, with the reason; empty unless ``active``.
 
         A request's first token is predicted at ``now`` plus the steps needed to prefill
         what is ahead of it and its own uncomputed tokens: ahead are the uncomputed prompt
         tokens of running requests and of the waiting requests before it in admission order
         (those not shed), at ``budget`` less one token per running request per step, each
-        step taking the model's time for ``budget`` tokens. Free slots and KV blocks are
+        step taking the model's time for the step admission builds: ``budget`` tokens, or
+        fewer when the running rows and all the waiting tokens are fewer (a step a policy
+        composed of some tenants only, ``FCFSPolicy.tenants_ahead``). Free slots and KV blocks are
         assumed, so the prediction is optimistic; the time already waited always counts, so
         a request held by slots or KV is shed once it has waited ``ttft``. Requests already
-        started once (preempted) are kept.
+        started once (preempted) are kept, and so are those ``protected`` picks (a fair
+        policy's tenants behind their share): both count as work ahead.
         """
         if not self.active:
             return []
         assert self.ttft is not None
         model = self.step_model
+        waiting_in_order = list(waiting_in_order)
         ahead = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running)
+        step = min(budget, len(running) + ahead
+                   + sum(r.num_tokens - r.num_computed_tokens for r in waiting_in_order))
         shed = []
         for req in waiting_in_order:
             need = req.num_tokens - req.num_computed_tokens
-            if req.first_scheduled_time is not None:
+            if req.first_scheduled_time is not None or (protected is not None and protected(req)):
                 ahead += need
                 continue
-            prefill = model.time_to_prefill(ahead + need, budget, len(running)) if model.ready else 0.0
+            prefill = model.time_to_prefill(ahead + need, budget, len(running), step) if model.ready else 0.0
             ttft = now + prefill - req.arrival_time
             if ttft > self.ttft:
                 shed.append((req, f"overloaded: first token predicted {ttft:.2f} s after "

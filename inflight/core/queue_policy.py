@@ -28,7 +28,18 @@
   back after an idle spell has its counter lifted to the smallest active one, so idling
   banks no credit. Within a tenant: ``priority`` with aging, then arrival, as ``priority``.
   Under KV pressure the running request of the tenant with the largest counter is
-  preempted first.
+  preempted first. Admission order alone does not keep a light tenant's latency: on a
+  CPU a step's time grows with every row and prompt token in it, so a light tenant's
+  first token would wait for the heavy tenant's prompt chunks already running and then
+  ride a step filled to the cap with the heavy tenant's work. So the step composition
+  follows the counters too: while a tenant whose counter is more than one step's tokens
+  (``max_num_batched_tokens``) below another's has a request waiting, the step leaves the
+  higher tenants out (their prompt chunks and decode rows wait one step, never two in a
+  row), and the waiting request's first token comes from a step about as long as if it
+  were alone. Token-level pausing of requests ahead of their share is Andes' (Liu et al.,
+  "Andes: Defining and Enhancing Quality-of-Experience in LLM-Based Text Streaming
+  Services", 2024); within one step's tokens tenants count as even, so balanced tenants
+  do not split steps.
 """
 
 from __future__ import annotations
@@ -74,6 +85,13 @@ class FCFSPolicy:
     def on_arrival(self, req: Request, waiting: Iterable[Request],
                    running: Iterable[Request]) -> None:
         """``req`` joins the waiting queue (``waiting`` and ``running`` before it)."""
+
+    def tenants_ahead(self, running: Iterable[Request], waiting: Iterable[Request]) -> frozenset[str | None]:
+        """Tenants ahead of their share now; empty: none (every policy but ``fair``). While
+        some are, a request of a tenant behind that waits for its first step gets a step
+        without the tenants ahead (never the same request left out twice running), and
+        overload shedding refuses only the tenants ahead."""
+        return frozenset()
 
     def charge(self, req: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """A step computed ``num_prompt_tokens`` prompt tokens of ``req`` and will sample
@@ -181,14 +199,18 @@ class FairPolicy(PriorityPolicy):
     Args:
         aging_s: within a tenant, seconds of waiting worth one priority level.
         output_weight: counter cost of a generated token, in prompt tokens (2, the paper's).
+        even_tokens: counters closer than this (virtual tokens; one step's budget) are
+            even: ``tenants_ahead`` never names one of them, so they never split a step.
 
     Attributes:
         counters: tenant -> virtual tokens served (prompt + ``output_weight`` x output).
     """
 
-    def __init__(self, aging_s: float, output_weight: float = 2.0) -> None:
+    def __init__(self, aging_s: float, output_weight: float = 2.0,
+                 even_tokens: float = 2048.0) -> None:
         super().__init__(aging_s)
         self.output_weight = output_weight
+        self.even_tokens = even_tokens
         self.counters: dict[str | None, float] = defaultdict(float)
 
     def on_arrival(self, req: Request, waiting: Iterable[Request],
@@ -200,6 +222,16 @@ class FairPolicy(PriorityPolicy):
             return
         floor = min(self.counters[t] for t in active)
         self.counters[req.tenant] = max(self.counters[req.tenant], floor)
+
+    def tenants_ahead(self, running: Iterable[Request], waiting: Iterable[Request]) -> frozenset[str | None]:
+        """The active tenants (a request running or waiting) whose counter is more than
+        ``even_tokens`` above the least active counter; empty with one active tenant."""
+        active = {r.tenant for r in running}
+        active.update(r.tenant for r in waiting)
+        if len(active) < 2:
+            return frozenset()
+        bar = min(self.counters[t] for t in active) + self.even_tokens
+        return frozenset(t for t in active if self.counters[t] > bar)
 
     def charge(self, req: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self.counters[req.tenant] += num_prompt_tokens + self.output_weight * num_output_tokens
@@ -242,8 +274,10 @@ class FairPolicy(PriorityPolicy):
 
 
 def make_policy(name: str, *, ttft_slo: float | None, itl_slo: float | None,
-                priority_aging_s: float, step_model: StepTimeModel) -> FCFSPolicy:
-    """The policy object for ``--scheduling-policy name``.
+                priority_aging_s: float, step_model: StepTimeModel,
+                max_num_batched_tokens: int = 2048) -> FCFSPolicy:
+    """The policy object for ``--scheduling-policy name`` (``max_num_batched_tokens``: the
+    step's token budget, ``fair``'s even margin).
 
     Raises:
         ValueError: an unknown policy name.
@@ -255,5 +289,5 @@ def make_policy(name: str, *, ttft_slo: float | None, itl_slo: float | None,
     if name == "slo":
         return SLOPolicy(ttft_slo, itl_slo, step_model)
     if name == "fair":
-        return FairPolicy(priority_aging_s)
+        return FairPolicy(priority_aging_s, even_tokens=max_num_batched_tokens)
     raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {name!r}")

@@ -117,7 +117,10 @@ class Scheduler:
         self.step_model = StepTimeModel()
         self.policy = make_policy(config.scheduling_policy, ttft_slo=config.ttft_slo,
                                   itl_slo=config.itl_slo, priority_aging_s=config.priority_aging_s,
-                                  step_model=self.step_model)
+                                  step_model=self.step_model,
+                                  max_num_batched_tokens=config.max_num_batched_tokens)
+        # Requests left out of the last step (``policy.tenants_ahead``): never twice running.
+        self._left_out: set[str] = set()
         self.overload = OverloadShedder(config.overload_ttft, self.step_model,
                                         now=clock())
         self.batching = make_batching_policy(config.batching_policy,
@@ -215,10 +218,18 @@ class Scheduler:
         budget = self.policy.step_budget(self.running, self.config.max_num_batched_tokens)
         budget = capped_step_budget(self.step_model, self.running, budget,
                                     self.config.max_step_time)
-        self._shed(out, now, budget)
-        budget = self._schedule_running(out, budget)
+        ahead = self.policy.tenants_ahead(self.running, self.waiting)
+        left_out: set[str] = set()
+        served = None  # None: every request (the cost-free common case)
+        if ahead and any(r.tenant not in ahead for r in self.waiting):
+            # A request of a tenant behind its share waits: this step is for the tenants
+            # behind (and whoever was left out of the last one).
+            served = lambda r: r.tenant not in ahead or r.request_id in self._left_out  # noqa: E731
+        self._shed(out, now, budget, ahead)
+        budget = self._schedule_running(out, budget, served, left_out)
         if not out.preempted:
-            self._schedule_waiting(out, budget, now)
+            self._schedule_waiting(out, budget, now, served, left_out)
+        self._left_out = left_out
         self.overload.observe(now, self.waiting, len(out.shed))
         return out
 
@@ -270,10 +281,15 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          served: Callable[[Request], bool] | None, left_out: set[str]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if served is not None and not served(req):
+                left_out.add(req.request_id)
+                i += 1
+                continue
             n = self._num_tokens_to_schedule(req.num_uncomputed_tokens, budget)
             if n == 0:
                 i += 1
@@ -289,11 +305,15 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float,
+                          served: Callable[[Request], bool] | None, left_out: set[str]) -> None:
         cfg = self.config
         is_batch_policy = self.batching.forms_batches
         launching = False
         for req in self.policy.waiting_order(self.waiting, now):
+            if served is not None and not served(req):
+                left_out.add(req.request_id)
+                continue
             if len(self.running) >= cfg.max_num_seqs:
                 break
             if budget <= 0 and not launching:
@@ -335,10 +355,11 @@ class Scheduler:
             bisect.insort_right(self.running, req,
                                 key=lambda r: self.policy.running_key(r) or 0)
 
-    def _shed(self, out: SchedulerOutput, now: float, budget: int) -> None:
+    def _shed(self, out: SchedulerOutput, now: float, budget: int, ahead: frozenset[str | None]) -> None:
         """Reject waiting requests that can no longer be served in time (load shedding):
         those past ``max_queue_time``, those the policy finds infeasible, and a standing
-        queue's requests predicted to start too late (``core.overload``)."""
+        queue's requests predicted to start too late (``core.overload``; while some tenants
+        are ahead of their share, ``ahead``, only theirs: the overload is theirs)."""
         if not self.waiting or (self.config.max_queue_time is None
                                 and self.config.scheduling_policy != "slo"
                                 and not self.overload.active):
@@ -352,8 +373,9 @@ class Scheduler:
 
         rules = (timed_out,
                  lambda w: self.policy.infeasible(w, now, self.running, budget),
-                 lambda w: self.overload.shed(self.policy.waiting_order(w, now), self.running,
-                                              now, budget))
+                 lambda w: self.overload.shed(
+                     self.policy.waiting_order(w, now), self.running, now, budget,
+                     (lambda r: r.tenant not in ahead) if ahead else None))
         shed: list[tuple[Request, str]] = []
         for rule in rules:  # each sees the requests the ones before it kept
             seen = {r.request_id for r, _ in shed}

@@ -63,8 +63,10 @@ class StepTimeModel:
         return -(-num_tokens // per_step) * self.predict(budget if step_tokens is None else step_tokens)
 
     def max_tokens_within(self, seconds: float) -> int | None:
-        """Most tokens a step can hold and still take at most ``seconds``; None if unknown."""
+        """Most tokens a step can hold and still take at most ``seconds``; None if unknown.
+        Before the fit is ``ready`` it answers from the first two or more steps, which pay
+        one-time costs and so err short; None before two steps of different sizes."""
         a, b = self.coefficients()
-        if not self.ready or b <= 0:
+        if self.num_observations < 2 or b <= 0:
             return None
         return max(int((seconds - a) / b + 1e-6), 0)  # 1e-6: float noise, not a token

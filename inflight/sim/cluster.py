@@ -31,6 +31,7 @@ from inflight.core.output import SampleResult, SchedulerOutput
 from inflight.engine.async_engine import IDLE_POLL_S, has_room
 from inflight.engine.engine import Engine
 from inflight.routing import ReplicaLoad, Router, RoundRobinRouter
+from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
 from inflight.sim.profile import StepProfile, StepShape
 
@@ -106,6 +107,7 @@ class SimRequest:
             exactly ``max_tokens`` with ``ignore_eos``.
         not_after: it is not sent if every watched request has ended by its arrival (a
             windowed point's cool-down arrivals).
+        tenant: who sends it (``RequestOptions.tenant``: the ``fair`` policy's tenant).
     """
 
     index: int
@@ -116,6 +118,7 @@ class SimRequest:
     ignore_eos: bool = True
     watched: bool = False
     not_after_done: bool = False
+    tenant: str | None = None
 
 
 @dataclass
@@ -281,7 +284,8 @@ class Simulator:
                     rep.runner.targets[rid] = req.output_len
                 try:
                     rep.engine.add_request(rid, req.prompt_token_ids, params, stream=True,
-                                           arrival_time=outcomes[req.index].send_time)
+                                           arrival_time=outcomes[req.index].send_time,
+                                           options=RequestOptions(tenant=req.tenant))
                 except ValueError as e:
                     o = outcomes[req.index]
                     o.status, o.error = 400, f"400: {e}"

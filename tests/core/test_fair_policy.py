@@ -90,3 +90,81 @@ def test_preemption_takes_the_tenant_with_the_largest_counter():
     f.counters.update({"a": 10.0, "b": 99.0})
     running = [_req("b-old", "b"), _req("a1", "a"), _req("b-new", "b"), _req("a2", "a")]
     assert running[f.preemption_victim(running)].request_id == "b-new"
+
+
+def test_tenants_ahead_are_more_than_a_step_of_tokens_above_the_least_active():
+    f = FairPolicy(aging_s=0, even_tokens=100)
+    f.counters.update({"light": 50.0, "mid": 140.0, "heavy": 500.0, "gone": 9999.0})
+    running = [_req("h", "heavy"), _req("m", "mid")]
+    # light (waiting) sets the bar at 150: mid is within a step of it, heavy is not; a
+    # tenant with nothing running or waiting is not active, whatever its counter.
+    assert f.tenants_ahead(running, [_req("l", "light")]) == {"heavy"}
+    assert f.tenants_ahead(running, []) == {"heavy"}  # bar 240 from mid
+    assert f.tenants_ahead([_req("h", "heavy")], [_req("h2", "heavy")]) == frozenset()
+    f.counters["heavy"] = 240.0
+    assert f.tenants_ahead(running, []) == frozenset()  # even: no step is split
+
+
+def _fair_sched(**kw) -> tuple[Scheduler, list[float]]:
+    t = [0.0]
+    cfg = EngineConfig(scheduling_policy="fair", max_num_batched_tokens=64, max_num_seqs=16,
+                       priority_aging_s=0, **kw)
+    return Scheduler(cfg, KVCacheManager(1024, 16), clock=lambda: t[0]), t
+
+
+def _step(sched: Scheduler, t: list[float]) -> list[str]:
+    out = sched.schedule(now=t[0])
+    t[0] += 0.1
+    sched.update(out, [SampleResult(s.request, 7, None) for s in out.scheduled if s.samples], now=t[0])
+    return sorted(s.request.request_id for s in out.scheduled)
+
+
+def test_a_tenant_behind_gets_its_first_token_from_a_step_without_the_tenants_ahead():
+    sched, t = _fair_sched()
+    long = SamplingParams(max_tokens=50)
+    for rid, tenant in (("h0", "heavy"), ("h1", "heavy"), ("l0", "light")):
+        sched.add_request(Request(rid, [1] * 10, long, arrival_time=0.0, tenant=tenant))
+    assert _step(sched, t) == ["h0", "h1", "l0"]  # even counters: one step for all
+    sched.policy.counters["heavy"] += 1000  # heavy has had far more than its share
+    sched.add_request(Request("h2", [1] * 30, long, arrival_time=t[0], tenant="heavy"))
+    sched.add_request(Request("l1", [1] * 20, long, arrival_time=t[0], tenant="light"))
+    # The light prompt waits for its first step: heavy's decodes and its prompt sit out.
+    assert _step(sched, t) == ["l0", "l1"]
+    assert sched.num_running == 4 and [r.request_id for r in sched.waiting] == ["h2"]
+    # Another light arrival at once: heavy's rows and h2 were left out last step, so they
+    # come back now (never left out twice running), beside it.
+    sched.add_request(Request("l2", [1] * 20, long, arrival_time=t[0], tenant="light"))
+    assert _step(sched, t) == ["h0", "h1", "h2", "l0", "l1", "l2"]
+    # A third at once: now heavy's rows were served last step, so they sit out again.
+    sched.add_request(Request("l3", [1] * 20, long, arrival_time=t[0], tenant="light"))
+    assert _step(sched, t) == ["l0", "l1", "l2", "l3"]
+    assert _step(sched, t) == ["h0", "h1", "h2", "l0", "l1", "l2", "l3"]  # nothing waits
+
+
+def test_a_single_tenant_or_even_tenants_never_split_a_step():
+    sched, t = _fair_sched()
+    long = SamplingParams(max_tokens=50)
+    for i in range(3):
+        sched.add_request(Request(f"a{i}", [1] * 10, long, arrival_time=0.0, tenant="a"))
+    _step(sched, t)
+    sched.add_request(Request("b0", [1] * 10, long, arrival_time=t[0], tenant="b"))
+    assert _step(sched, t) == ["a0", "a1", "a2", "b0"]  # b is lifted to a's counter: even
+
+
+def test_overload_sheds_the_tenants_ahead_and_keeps_the_one_behind():
+    from tests.core.test_queue_policy import _ready_model
+    sched, t = _fair_sched(overload_ttft=0.5)
+    sched.step_model.__dict__.update(_ready_model(a=0.3, b=0.0).__dict__)  # 0.3 s a step
+    long = SamplingParams(max_tokens=50)
+    for rid, tenant in (("h0", "heavy"), ("l0", "light")):
+        sched.add_request(Request(rid, [1] * 10, long, arrival_time=0.0, tenant=tenant))
+    _step(sched, t)
+    sched.policy.counters["heavy"] += 1000
+    t[0] = 5.0
+    sched.overload.active = True  # a standing queue (test_overload covers when)
+    for rid, tenant in (("h1", "heavy"), ("l1", "light")):
+        sched.add_request(Request(rid, [1] * 10, long, arrival_time=4.6, tenant=tenant))
+    # Both waited 0.4 s and need a 0.3 s step: 0.7 s > 0.5 s. Only heavy's is refused.
+    out = sched.schedule(now=t[0])
+    assert [r.request_id for r in out.shed] == ["h1"]
+    assert "l1" in {s.request.request_id for s in out.scheduled}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from inflight.config import EngineConfig
 from inflight.core.kv_cache import KVCacheManager
 from inflight.core.output import SampleResult
-from inflight.core.overload import OverloadShedder, capped_step_budget
+from inflight.core.overload import SLOW_START_TOKENS, OverloadShedder, capped_step_budget
 from inflight.core.scheduler import Scheduler
 from inflight.core.step_model import StepTimeModel
 from inflight.request import Request
@@ -35,7 +35,14 @@ def test_step_cap_lowers_the_budget_only_while_requests_decode():
     assert capped_step_budget(m, running, 2048, None) == 2048
     prefilling = Request("p", [1] * 10, P, arrival_time=0.0)
     assert capped_step_budget(m, [prefilling], 2048, 0.5) == 2048  # no decode to protect
-    assert capped_step_budget(StepTimeModel(), running, 2048, 0.5) == 2048  # model not ready
+    # Before the model can answer, a slow start; from two steps of different sizes, their
+    # line (the first steps pay one-time costs, so it errs short).
+    fresh = StepTimeModel()
+    assert capped_step_budget(fresh, running, 2048, 0.5) == SLOW_START_TOKENS == 512
+    fresh.observe(100, 0.3)
+    assert capped_step_budget(fresh, running, 2048, 0.5) == 512  # one point: no line yet
+    fresh.observe(300, 0.5)  # 0.2 + 0.001 n: (0.5 - 0.2) / 0.001
+    assert not fresh.ready and capped_step_budget(fresh, running, 2048, 0.5) == 300
     # Every decode keeps its token, and one prefill token keeps admission moving.
     many = [_decoding(f"d{i}") for i in range(600)]
     assert capped_step_budget(m, many, 2048, 0.5) == 601
@@ -151,3 +158,20 @@ def test_serve_protects_by_default_and_the_engine_does_not():
         ["serve", "--overload-ttft", "0", "--max-step-time", "off"]))
     assert (off.overload_ttft, off.max_step_time) == (None, None)
     assert (EngineConfig().overload_ttft, EngineConfig().max_step_time) == (None, None)
+
+
+def test_shedder_predicts_the_step_admission_builds_and_keeps_the_protected():
+    # 0.1 s + 1 ms a token; budget 1000 tokens, 2 running.
+    m = _ready_model(a=0.1, b=0.001)
+    s = OverloadShedder(0.5, m, interval=0.0, now=0.0)
+    s.observe(0.1, [_waiting(0.0)], num_shed=0)
+    running = [_decoding("d1"), _decoding("d2")]
+    alone = [Request("w", [1] * 98, P, arrival_time=50.0)]
+    # One 98-token prompt builds a 100-token step (0.2 s), not a full 1000-token one (1.1 s).
+    assert s.shed(alone, running, 50.0, 1000) == []
+    crowd = alone + [Request(f"x{i}", [1] * 300, P, arrival_time=50.0) for i in range(3)]
+    # Behind it, 900 more tokens fill the step to the budget: 1.1 s for everyone.
+    assert [r.request_id for r, _ in s.shed(crowd, running, 50.0, 1000)] == ["w", "x0", "x1", "x2"]
+    # Protected requests are never refused, and still count as work ahead of the rest.
+    kept = s.shed(crowd, running, 50.0, 1000, protected=lambda r: r.request_id == "w")
+    assert [r.request_id for r, _ in kept] == ["x0", "x1", "x2"]

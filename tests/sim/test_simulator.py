@@ -151,3 +151,12 @@ def test_prefix_affinity_yields_to_load_past_its_threshold():
     assert r.route(prompt, [ReplicaLoad(), ReplicaLoad(3, 0)]) == 0  # 3 more: load wins
     assert (r.hits, r.overrides) == (1, 1)
     assert r.route(list(range(3)), idle) == 0  # under one block: no prefix, least load
+
+
+def test_tenants_reach_the_fair_policy():
+    # Each request: a 4-token prompt and 2 output tokens, charged 4 + 2 x 2 = 8 virtual tokens.
+    reqs = [SimRequest(0, 0.0, [5] * 4, 2, 2, tenant="heavy"), SimRequest(1, 0.0, [6] * 4, 2, 2, tenant="heavy"),
+            SimRequest(2, 0.0, [7] * 4, 2, 2, tenant="light")]
+    sim, run = simulate(EngineConfig(scheduling_policy="fair"), reqs)
+    assert all(o.status == 200 for o in run.outcomes)
+    assert dict(sim.replicas[0].engine.scheduler.policy.counters) == {"heavy": 16.0, "light": 8.0}
