@@ -69,6 +69,8 @@ class RequestOutput:
         error: set when the request failed inside the engine (it is then finished).
         shed_reason: set when load shedding rejected the request before it started
             (``max_queue_time``, or a TTFT deadline it could not meet); finish reason abort.
+        retry_after: with ``shed_reason``, the seconds a retry should wait (overload
+            shedding's predicted lateness); None: 1 s.
         abort_reason: set when the server aborted the request (shutdown), not its client.
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, per prompt token None
@@ -85,6 +87,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     shed_reason: str | None = None
+    retry_after: float | None = None
     abort_reason: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
@@ -102,7 +105,8 @@ class RequestOutput:
         if self.error:
             return RequestFailedError(self.error)
         if self.shed_reason:
-            return EngineOverloadedError(f"request shed: {self.shed_reason}")
+            return EngineOverloadedError(f"request shed: {self.shed_reason}",
+                                         1.0 if self.retry_after is None else self.retry_after)
         if self.abort_reason:
             started = self.metrics is not None and self.metrics.first_token_time is not None
             return EngineDeadError(f"the request was cut short {'after' if started else 'before'} "

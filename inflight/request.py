@@ -104,6 +104,7 @@ class Request:
         self.tenant = tenant
         self.cache_salt = cache_salt
         self.shed_reason: str | None = None  # why load shedding rejected it
+        self.shed_retry_after: float | None = None  # seconds a retry should wait; None: 1 s
         self.output_token_ids: list[int] = []
         # Per output token: {token_id: logprob}, the sampled token plus the top-k.
         self.output_logprobs: list[dict[int, float]] = []

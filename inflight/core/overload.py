@@ -134,7 +134,10 @@ class OverloadShedder:
         assumed, so the prediction is optimistic; the time already waited always counts, so
         a request held by slots or KV is shed once it has waited ``ttft``. Requests already
         started once (preempted) are kept, and so are those ``protected`` picks (a fair
-        policy's tenants behind their share): both count as work ahead.
+        policy's tenants behind their share): both count as work ahead. Each refused
+        request's ``shed_retry_after`` (the 503's ``Retry-After``) is set to the seconds
+        until the work predicted ahead of it has drained to ``ttft`` (at least 1): a retry,
+        which starts its wait afresh, sent sooner would meet the same queue.
         """
         if not self.active:
             return []
@@ -153,6 +156,7 @@ class OverloadShedder:
             prefill = model.time_to_prefill(ahead + need, budget, len(running), step) if model.ready else 0.0
             ttft = now + prefill - req.arrival_time
             if ttft > self.ttft:
+                req.shed_retry_after = max(1.0, prefill - self.ttft)
                 shed.append((req, f"overloaded: first token predicted {ttft:.2f} s after "
                                   f"arrival, over the {self.ttft:g} s the server allows once "
                                   f"its queue has not emptied for {self.interval:g} s"))

@@ -190,8 +190,8 @@ class Engine:
         with timer.section("schedule"):
             out = self.scheduler.schedule()
         for req in out.shed:
-            self._abort(self.output_processor.end_group(req.request_id,
-                                                        shed_reason=req.shed_reason))
+            self._abort(self.output_processor.end_group(
+                req.request_id, shed_reason=req.shed_reason, retry_after=req.shed_retry_after))
         if not out.is_empty:
             self._num_steps += 1
             self.last_plan = out

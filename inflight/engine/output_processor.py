@@ -58,6 +58,7 @@ class _Group:
     seqs: list[_Sequence] = field(default_factory=list)
     error: str | None = None
     shed_reason: str | None = None
+    retry_after: float | None = None
     abort_reason: str | None = None
     sent_prompt_logprobs: bool = False
 
@@ -184,13 +185,14 @@ class OutputProcessor:
 
     def end_group(self, request_id: str, *, error: str | None = None,
                   shed_reason: str | None = None, abort_reason: str | None = None,
-                  ) -> list[Request]:
+                  retry_after: float | None = None) -> list[Request]:
         """Record why the group holding sequence (or user request) ``request_id`` ends
         early; returns all its sequences, for the engine to finish in the scheduler."""
         seq = self._seqs.get(request_id)
         group = seq.group if seq is not None else self._groups[request_id]
         group.error = group.error or error
         group.shed_reason = group.shed_reason or shed_reason
+        group.retry_after = group.retry_after if group.retry_after is not None else retry_after
         group.abort_reason = group.abort_reason or abort_reason
         self._dirty[group.request_id] = group
         return [s.request for s in group.seqs]
@@ -254,7 +256,8 @@ class OutputProcessor:
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
             metrics=_metrics([s.request for s in group.seqs]), error=group.error,
-            shed_reason=group.shed_reason, abort_reason=group.abort_reason,
+            shed_reason=group.shed_reason, retry_after=group.retry_after,
+            abort_reason=group.abort_reason,
             num_cached_tokens=group.seqs[0].request.num_cached_tokens,
             prompt_logprobs=group.take_prompt_logprobs())
 
