@@ -219,16 +219,20 @@ class Scheduler:
         budget = capped_step_budget(self.step_model, self.running, budget,
                                     self.config.max_step_time)
         ahead = self.policy.tenants_ahead(self.running, self.waiting)
-        left_out: set[str] = set()
         served = None  # None: every request (the cost-free common case)
+        left_out: set[str] = set()
         if ahead and any(r.tenant not in ahead for r in self.waiting):
             # A request of a tenant behind its share waits: this step is for the tenants
-            # behind (and whoever was left out of the last one).
-            served = lambda r: r.tenant not in ahead or r.request_id in self._left_out  # noqa: E731
+            # behind, and whoever was left out of the last one.
+            def served(r: Request) -> bool:
+                if r.tenant not in ahead or r.request_id in self._left_out:
+                    return True
+                left_out.add(r.request_id)
+                return False
         self._shed(out, now, budget, ahead)
-        budget = self._schedule_running(out, budget, served, left_out)
+        budget = self._schedule_running(out, budget, served)
         if not out.preempted:
-            self._schedule_waiting(out, budget, now, served, left_out)
+            self._schedule_waiting(out, budget, now, served)
         self._left_out = left_out
         self.overload.observe(now, self.waiting, len(out.shed))
         return out
@@ -282,12 +286,11 @@ class Scheduler:
         return None
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
-                          served: Callable[[Request], bool] | None, left_out: set[str]) -> int:
+                          served: Callable[[Request], bool] | None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if served is not None and not served(req):
-                left_out.add(req.request_id)
                 i += 1
                 continue
             n = self._num_tokens_to_schedule(req.num_uncomputed_tokens, budget)
@@ -306,13 +309,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float,
-                          served: Callable[[Request], bool] | None, left_out: set[str]) -> None:
+                          served: Callable[[Request], bool] | None) -> None:
         cfg = self.config
         is_batch_policy = self.batching.forms_batches
         launching = False
         for req in self.policy.waiting_order(self.waiting, now):
             if served is not None and not served(req):
-                left_out.add(req.request_id)
                 continue
             if len(self.running) >= cfg.max_num_seqs:
                 break

@@ -64,8 +64,9 @@ class StepTimeModel:
 
     def max_tokens_within(self, seconds: float) -> int | None:
         """Most tokens a step can hold and still take at most ``seconds``; None if unknown.
-        Before the fit is ``ready`` it answers from the first two or more steps, which pay
-        one-time costs and so err short; None before two steps of different sizes."""
+        Before the fit is ``ready`` it answers from the first two or more steps (their line,
+        or their mean rate if they were the same size), which pay one-time costs and so err
+        short; None before two steps."""
         a, b = self.coefficients()
         if self.num_observations < 2 or b <= 0:
             return None

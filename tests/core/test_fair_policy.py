@@ -141,14 +141,19 @@ def test_a_tenant_behind_gets_its_first_token_from_a_step_without_the_tenants_ah
     assert _step(sched, t) == ["h0", "h1", "h2", "l0", "l1", "l2", "l3"]  # nothing waits
 
 
-def test_a_single_tenant_or_even_tenants_never_split_a_step():
-    sched, t = _fair_sched()
+def test_tenants_within_a_step_of_tokens_never_split_a_step():
+    sched, t = _fair_sched()  # a step: 64 tokens
     long = SamplingParams(max_tokens=50)
     for i in range(3):
         sched.add_request(Request(f"a{i}", [1] * 10, long, arrival_time=0.0, tenant="a"))
     _step(sched, t)
     sched.add_request(Request("b0", [1] * 10, long, arrival_time=t[0], tenant="b"))
-    assert _step(sched, t) == ["a0", "a1", "a2", "b0"]  # b is lifted to a's counter: even
+    assert sched.policy.counters["b"] == sched.policy.counters["a"] == 36  # lifted: 3 x (10 + 2)
+    sched.policy.counters["a"] += 60  # ahead, but by less than a step's 64 tokens: even
+    assert _step(sched, t) == ["a0", "a1", "a2", "b0"]
+    sched.add_request(Request("b1", [1] * 10, long, arrival_time=t[0], tenant="b"))
+    sched.policy.counters["a"] += 200  # now a whole step ahead: b1's step leaves a out
+    assert _step(sched, t) == ["b0", "b1"]
 
 
 def test_overload_sheds_the_tenants_ahead_and_keeps_the_one_behind():
