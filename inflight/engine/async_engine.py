@@ -389,7 +389,7 @@ class AsyncEngine:
                 if self._stopping:
                     self._abort_all()
                 if not engine.has_unfinished_requests():
-                    self._publish_stats([], did_step=False)
+                    self._refresh_stats()
                     if self._stopping:
                         break
                     self.heap.maybe(idle=True)
@@ -414,8 +414,11 @@ class AsyncEngine:
                 if self._dead is not None:  # the watchdog gave up on this step meanwhile
                     break
                 failures = 0
+                # Counts first: whoever sees this step's tokens (a client deciding what to
+                # send next, the admission bound) sees this step's queue, not the last one's.
+                stats = self._refresh_stats()
                 self._deliver(outputs)
-                self._publish_stats(outputs, did_step=True)
+                self._notify_listeners(stats, outputs)
                 self.heap.maybe(idle=False)
                 if not outputs and self._stats.num_steps == steps_before:
                     self.num_waits += 1
@@ -510,12 +513,13 @@ class AsyncEngine:
             if stream is not None:
                 stream.put(out)
 
-    def _publish_stats(self, outputs: list[RequestOutput], did_step: bool) -> None:
+    def _refresh_stats(self) -> EngineStats:
         stats = self.engine.get_stats()
         with self._lock:
             self._stats = stats
-        if not did_step:
-            return
+        return stats
+
+    def _notify_listeners(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for listener in self.listeners:
             try:
