@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from inflight.bench.datasets import default_data_dir
-from inflight.bench.stats import percentile
+from inflight.quantiles import percentile
 
 DATA = default_data_dir()  # $INFLIGHT_DATA_DIR, else ../shared/data
 

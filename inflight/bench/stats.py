@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from inflight.bench.client import RequestRecord
+from inflight.quantiles import percentile
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
 PERCENTILES = (50, 90, 95, 99)
@@ -55,21 +56,14 @@ def request_metrics(r: RequestRecord) -> RequestMetrics:
     return RequestMetrics(ttft, tpot, itls, e2e, n)
 
 
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """The p-th percentile (0-100) with linear interpolation; None for no values."""
-    if len(values) == 0:
-        return None
-    return float(np.percentile(np.asarray(values, dtype=float), p))
-
-
 def describe(values: Sequence[float]) -> dict[str, float | None]:
     """mean, median, std, p90, p95, p99, min, max of ``values`` (None each if empty)."""
     if len(values) == 0:
         return {k: None for k in STAT_NAMES}
     a = np.asarray(values, dtype=float)
     return {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
-            "p90": float(np.percentile(a, 90)), "p95": float(np.percentile(a, 95)),
-            "p99": float(np.percentile(a, 99)), "min": float(a.min()), "max": float(a.max())}
+            "p90": percentile(a, 90), "p95": percentile(a, 95), "p99": percentile(a, 99),
+            "min": float(a.min()), "max": float(a.max())}
 
 
 # ---------------------------------------------------------------- SLOs

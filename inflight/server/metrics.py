@@ -56,6 +56,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from inflight.engine.stats import EngineStats
 from inflight.outputs import RequestMetrics, RequestOutput
+from inflight.quantiles import percentile
 
 QUANTILES = (0.5, 0.95, 0.99)
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
@@ -98,7 +99,7 @@ class SlidingWindow:
         out: dict[str, float | int | None] = {"count": len(vals),
                                               "mean": sum(vals) / len(vals) if vals else None}
         for q in QUANTILES:
-            out[f"p{round(q * 100)}"] = percentile(vals, q)
+            out[f"p{round(q * 100)}"] = percentile(vals, q * 100)
         return out
 
 
@@ -113,15 +114,6 @@ def token_count_buckets(max_value: int) -> list[int]:
                 return buckets or [1]
             buckets.append(m * scale)
         scale *= 10
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) of already sorted values, linear interpolation."""
-    if not sorted_values:
-        return None
-    pos = q * (len(sorted_values) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 class _WindowCollector:
