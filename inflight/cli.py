@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     try:
-        from inflight.bench.cli import add_bench_parser
+        from inflight.bench.arguments import add_bench_parser
         add_bench_parser(sub)
     except ImportError:
         pass
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             from inflight.server.app import run_serve
             _exit_at_once(run_serve(args))
         if args.command == "bench":
-            from inflight.bench.cli import run_bench
+            from inflight.bench.arguments import run_bench
             return run_bench(args)
         if args.command == "profile":
             from inflight.sim.measure import run_profile

@@ -2,7 +2,7 @@
 
 Everything the engine can say about a request it will not serve is an ``EngineError``,
 whose ``kind`` names the class of failure; the HTTP server turns it into an OpenAI error
-body in one place (``inflight.server.errors.to_openai``), offline callers catch it as is.
+body in one place (``inflight.server.error_responses.to_openai``), offline callers catch it as is.
 Refusals of bad input are also ``ValueError``, so ``except ValueError`` keeps working for
 callers of ``Engine.add_request``.
 """

@@ -15,7 +15,7 @@ import torch
 
 from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, PrefillChunk
-from inflight.model.config import ModelConfig
+from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.profiling import NULL_TIMER
 from inflight.faults import FAULTS

@@ -7,7 +7,7 @@ import torch
 
 from inflight.config import EngineConfig
 from inflight.engine import loading
-from inflight.model.config import ModelConfig
+from inflight.model.hparams import ModelConfig
 from inflight.runner import kv_block_bytes
 
 GiB = 1 << 30

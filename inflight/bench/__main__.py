@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from inflight.bench.cli import add_bench_parser, run_bench
+from inflight.bench.arguments import add_bench_parser, run_bench
 
 
 def main(argv: list[str] | None = None) -> int:

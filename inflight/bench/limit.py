@@ -20,8 +20,8 @@ from typing import Awaitable, Callable, Protocol
 import numpy as np
 
 from inflight.bench import capacity as cap
-from inflight.bench.runner import ArrivalConfig, PointResult, Session, run_point
-from inflight.bench.stats import SLO
+from inflight.bench.session import ArrivalConfig, PointResult, Session, run_point
+from inflight.bench.summary import SLO
 from inflight.bench.sustain import Thresholds, evidence_lines, in_flight_at
 
 

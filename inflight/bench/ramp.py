@@ -23,7 +23,7 @@ import numpy as np
 
 from inflight.bench.client import RequestRecord
 from inflight.bench.datasets import RequestSpec
-from inflight.bench.runner import Session, _send, mark_cancelled, wait_idle
+from inflight.bench.session import Session, _send, mark_cancelled, wait_idle
 from inflight.bench.sustain import in_flight_at
 
 

@@ -14,7 +14,7 @@ import pathlib
 from typing import Sequence
 
 from inflight.bench.client import RequestRecord
-from inflight.bench.stats import SLO, concurrency_timeline, request_metrics
+from inflight.bench.summary import SLO, concurrency_timeline, request_metrics
 
 _LAT_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
 _LAT_COLS = ("mean", "median", "p90", "p95", "p99")

@@ -16,7 +16,7 @@ from inflight.bench.datasets import RequestSpec
 from inflight.bench.sustain import Window
 
 if TYPE_CHECKING:
-    from inflight.bench.runner import ArrivalConfig, Session
+    from inflight.bench.session import ArrivalConfig, Session
 
 
 def offsets_for(session: Session, arrival: ArrivalConfig, n: int | None = None) -> list[float]:

@@ -67,7 +67,7 @@ import numpy as np
 
 from inflight.bench.client import RequestRecord
 from inflight.bench.confidence import DEFAULT_CONFIDENCE, n_min_for, stat_interval
-from inflight.bench.stats import SLO
+from inflight.bench.summary import SLO
 
 DEFAULT_PREEMPTION_THRESHOLD = 1.0  # preemptions per completed request
 DEFAULT_RATE_TOLERANCE = 0.95  # completed / offered, at least

@@ -27,7 +27,7 @@ import shlex
 import sys
 from urllib.parse import urlparse
 
-from inflight.bench.commands import (_args_json, _header, calibration, configs, connector, require_aggregate,
+from inflight.bench.subcommands import (_args_json, _header, calibration, configs, connector, require_aggregate,
                                      search_space, thresholds)
 from inflight.bench.limit import LimitResult, find_limit, limit_line
 from inflight.bench.machine import describe_machine

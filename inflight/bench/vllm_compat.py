@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from inflight.bench.client import RequestRecord
-from inflight.bench.stats import SLO, request_metrics
+from inflight.bench.summary import SLO, request_metrics
 
 # vLLM's --dataset-name -> ours, where ours means the same thing.
 DATASETS = {"random": "random", "sonnet": "sonnet", "custom": "chat"}

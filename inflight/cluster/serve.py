@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import uvicorn
 
-from inflight.cluster import metrics as cluster_metrics
-from inflight.cluster.client import ClusterEngine, load_tokenizer
+from inflight.cluster import replica_metrics as cluster_metrics
+from inflight.cluster.ray_engine import ClusterEngine, load_tokenizer
 from inflight.cluster.runtime import RayRuntime
 from inflight.config import EngineConfig
 from inflight.server.tenants import TenantSettings, describe_tenants

@@ -14,7 +14,7 @@ import torch
 from inflight.config import (DEFAULT_KV_CACHE_MEMORY_CAP, DEFAULT_KV_CACHE_MEMORY_FRACTION,
                              EngineConfig)
 from inflight.engine.memory import bound_primitive_caches
-from inflight.model.config import ModelConfig
+from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model, read_gguf_blocks
 from inflight.model.quant import QuantFormat

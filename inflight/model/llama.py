@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
-from inflight.model.config import ModelConfig
+from inflight.model.hparams import ModelConfig
 from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS,
                                     decode_layers, onednn_has_amx, quant_linear, rms_norm,
                                     silu_and_mul, skinny_linear)

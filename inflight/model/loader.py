@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from inflight.model.config import ModelConfig
+from inflight.model.hparams import ModelConfig
 
 logger = logging.getLogger(__name__)
 

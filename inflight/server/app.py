@@ -40,7 +40,7 @@ from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.watchdog import EXIT_ENGINE_DEAD
 from inflight.server import responses as R
 from inflight.server import serving
-from inflight.server.errors import OpenAIError, bad_request, install_error_handlers
+from inflight.server.error_responses import OpenAIError, bad_request, install_error_handlers
 from inflight.server.generation import Generation, ServerContext, encode
 from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics

@@ -25,7 +25,7 @@ from inflight.errors import EngineError
 from inflight.outputs import RequestOutput
 from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
-from inflight.server.errors import OpenAIError, bad_request, from_value_error, to_openai
+from inflight.server.error_responses import OpenAIError, bad_request, from_value_error, to_openai
 from inflight.server.logprobs import TokenTexts
 from inflight.server.metrics import ServerMetrics
 from inflight.server.protocol import SamplingRequest

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 
 from inflight.errors import EngineError
-from inflight.server.errors import error_body, to_openai
+from inflight.server.error_responses import error_body, to_openai
 from inflight.server.tenants import TenantKeys
 
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from inflight.outputs import RequestOutput
-from inflight.server.errors import OpenAIError, bad_request
+from inflight.server.error_responses import OpenAIError, bad_request
 from inflight.server.generation import (Generation, ServerContext, build_sampling_params,
                                         check_common, check_prompt_len, check_token_ids,
                                         encode, reserve)

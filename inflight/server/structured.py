@@ -15,7 +15,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from inflight.errors import EngineError, InvalidRequestError
-from inflight.server.errors import bad_request, to_openai
+from inflight.server.error_responses import bad_request, to_openai
 from inflight.structured_output import StructuredOutputsParams
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from inflight.server.errors import OpenAIError
+from inflight.server.error_responses import OpenAIError
 
 DEFAULT_TENANT = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from inflight.server.errors import bad_request
+from inflight.server.error_responses import bad_request
 from inflight.server.tool_parsers import CALL_OPENINGS, TOOL_PARSERS
 from inflight.structured_output import StructuredOutputsParams
 

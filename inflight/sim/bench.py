@@ -28,10 +28,10 @@ from inflight.bench.client import RequestRecord
 from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset
 from inflight.bench.metrics_scrape import Snapshot
-from inflight.bench.runner import (ArrivalConfig, LoadConfig, PointResult, Session, goes_on, look_summary,
+from inflight.bench.session import (ArrivalConfig, LoadConfig, PointResult, Session, goes_on, look_summary,
                                    mark_cancelled, view_at)
 from inflight.bench.schedule import plan_point
-from inflight.bench.stats import SLO, summarize
+from inflight.bench.summary import SLO, summarize
 from inflight.bench.sustain import Thresholds, Window, judge
 from inflight.config import EngineConfig
 from inflight.routing import ROUTERS, make_router

@@ -27,8 +27,8 @@ from inflight.bench.datasets import DatasetConfig
 from inflight.bench.limit import Prediction, SearchSpace, find_limit
 from inflight.bench.machine import HostMonitor, describe_machine
 from inflight.bench.ramp import run_ramp
-from inflight.bench.runner import ArrivalConfig, LoadConfig, Session
-from inflight.bench.stats import SLO
+from inflight.bench.session import ArrivalConfig, LoadConfig, Session
+from inflight.bench.summary import SLO
 from inflight.bench.sustain import Thresholds
 from inflight.sim.bench import open_sim_session, sim_setup
 from inflight.sim.profile import (StepProfile, fit_cost_model, profile_warnings, sample_row, save_profile,

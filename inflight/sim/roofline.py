@@ -55,7 +55,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, c: Any) -> "ModelShape":
-        """From an ``inflight.model.config.ModelConfig`` (or anything with its fields)."""
+        """From an ``inflight.model.hparams.ModelConfig`` (or anything with its fields)."""
         return cls(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
                    c.num_attention_heads, c.num_key_value_heads, c.head_dim)
 

@@ -15,9 +15,9 @@ from bench_fake_openai import DroppingProxy, Plan, ServerState
 from inflight.bench.__main__ import main
 from inflight.bench.client import RequestRecord, make_client, stream_request
 from inflight.bench.datasets import DatasetConfig
-from inflight.bench.runner import ArrivalConfig, LoadConfig, open_session, run_point
+from inflight.bench.session import ArrivalConfig, LoadConfig, open_session, run_point
 
-RUNNER = "inflight.bench.runner"
+RUNNER = "inflight.bench.session"
 
 
 def send_one(base_url: str, max_tokens: int = 4) -> RequestRecord:

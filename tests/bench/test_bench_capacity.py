@@ -12,8 +12,8 @@ from inflight.bench import capacity as cap
 from inflight.bench.client import make_client
 from inflight.bench.datasets import DatasetConfig
 from inflight.bench.limit import SearchSpace, find_limit
-from inflight.bench.runner import ArrivalConfig, LoadConfig, open_session, run_point
-from inflight.bench.stats import parse_slo
+from inflight.bench.session import ArrivalConfig, LoadConfig, open_session, run_point
+from inflight.bench.summary import parse_slo
 from inflight.bench.sustain import Thresholds
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from inflight.bench.client import DONE, RequestRecord, _SSE, build_payload, sse_lines, stream_request
 from inflight.bench.datasets import RequestSpec
-from inflight.bench.stats import parse_slo, request_metrics, summarize
+from inflight.bench.summary import parse_slo, request_metrics, summarize
 
 
 class FakeClock:

@@ -13,7 +13,7 @@ from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, build_dataset, conversation_slot
 from inflight.bench.prompts import WordCounter
 from inflight.bench.report import format_summary, prefix_hit_rate
-from inflight.bench.runner import ArrivalConfig, LoadConfig, open_session, run_point
+from inflight.bench.session import ArrivalConfig, LoadConfig, open_session, run_point
 from inflight.bench.vllm_compat import vllm_result
 
 

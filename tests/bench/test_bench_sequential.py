@@ -21,8 +21,8 @@ from inflight.bench import capacity as cap
 from inflight.bench.client import RequestRecord, make_client
 from inflight.bench.limit import SearchSpace, crossings, long_window_note
 from inflight.bench.machine import HostMonitor
-from inflight.bench.runner import ArrivalConfig, view_at
-from inflight.bench.stats import parse_slo
+from inflight.bench.session import ArrivalConfig, view_at
+from inflight.bench.summary import parse_slo
 from inflight.bench.sustain import FAIL, PASS, UNDECIDED, Window, evidence_lines, judge
 
 FIRST = Window(1.0, 11.0, 16.0)
@@ -170,7 +170,7 @@ def _point(srv, data_dir, slo_text, extensions):
                             duration=2.0, warmup_duration=0.3, drain_timeout=1.5)
 
     async def main():
-        from inflight.bench.runner import run_point
+        from inflight.bench.session import run_point
         async with make_client() as client:
             session = await fake_session(client, srv, data_dir, 80)
             return await run_point(session, arrival, slo)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from inflight.bench.client import RequestRecord
-from inflight.bench.stats import (SLO, check_aggregate, concurrency_timeline, meets_slo, parse_slo,
+from inflight.bench.summary import (SLO, check_aggregate, concurrency_timeline, meets_slo, parse_slo,
                                   peak_concurrency, percentile, request_metrics, summarize)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from inflight.bench.client import RequestRecord
-from inflight.bench.stats import parse_slo
+from inflight.bench.summary import parse_slo
 from inflight.bench.sustain import Thresholds, Window, censored_metrics, in_flight_at, judge, queue_growth
 
 WINDOW = Window(start=1.0, end=11.0, deadline=16.0)

@@ -11,11 +11,11 @@ import pytest
 from bench_fake_openai import Plan, ServerState
 
 from inflight.bench.__main__ import main
-from inflight.bench.cli import add_bench_parser, run_bench
+from inflight.bench.arguments import add_bench_parser, run_bench
 from inflight.bench.client import RequestRecord
-from inflight.bench.commands import configs
+from inflight.bench.subcommands import configs
 from inflight.bench.datasets import DatasetConfig, build_chat
-from inflight.bench.stats import SLO, summarize
+from inflight.bench.summary import SLO, summarize
 from inflight.bench.vllm_compat import parse_goodput, result_path, vllm_result
 
 

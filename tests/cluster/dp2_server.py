@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from inflight.cluster import metrics as cluster_metrics
-from inflight.cluster.client import ClusterEngine
+from inflight.cluster import replica_metrics as cluster_metrics
+from inflight.cluster.ray_engine import ClusterEngine
 from inflight.cluster.runtime import RayRuntime
 from inflight.config import EngineConfig
 from inflight.server.app import build_app

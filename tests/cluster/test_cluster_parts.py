@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from inflight.cli import build_parser
-from inflight.cluster.metrics import merge_families
+from inflight.cluster.replica_metrics import merge_families
 from inflight.cluster.runtime import import_ray
 from inflight.routing import PrefixAffinityRouter, ReplicaLoad
 

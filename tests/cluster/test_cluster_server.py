@@ -23,8 +23,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'inflight-serve[cluster]'")
 
-from inflight.cluster import metrics as cluster_metrics  # noqa: E402
-from inflight.cluster.client import ClusterEngine  # noqa: E402
+from inflight.cluster import replica_metrics as cluster_metrics  # noqa: E402
+from inflight.cluster.ray_engine import ClusterEngine  # noqa: E402
 from inflight.cluster.runtime import RayRuntime  # noqa: E402
 from inflight.config import EngineConfig  # noqa: E402
 from inflight.routing import make_router  # noqa: E402

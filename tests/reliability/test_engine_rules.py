@@ -22,7 +22,7 @@ from inflight.config import EngineConfig
 from inflight.core.output import SampleResult
 from inflight.core.queue_policy import PriorityPolicy
 from inflight.engine import Engine, loading
-from inflight.model.config import ModelConfig
+from inflight.model.hparams import ModelConfig
 from inflight.sampling_params import SamplingParams
 from inflight.server.metrics import ServerMetrics
 from tests.conftest import FakeRunner

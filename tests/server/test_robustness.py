@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inflight.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError,
                              RequestFailedError)
-from inflight.server.errors import to_openai
+from inflight.server.error_responses import to_openai
 from tests.server.conftest import MODEL, get_json, serve, wait_until
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from inflight.server.tenants import (TenantLimits, TenantSettings, add_tenant_ar
                                      parse_api_keys)
 from prometheus_client import CollectorRegistry
 
-from inflight.server.errors import OpenAIError
+from inflight.server.error_responses import OpenAIError
 from tests.server.conftest import MODEL, serve, wait_until
 from tests.server.test_robustness import _scrape
 

@@ -32,7 +32,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.responses import JSONResponse, Response
 
-from inflight.cluster.client import ClusterEngine
+from inflight.cluster.ray_engine import ClusterEngine
 
 _CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -23,7 +23,7 @@ from inflight.bench.conversations import ConversationLog
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs, trace_length
 from inflight.bench.metrics_scrape import Scraper, Snapshot, counter_deltas
 from inflight.bench.prompts import MISSING_ROUTE, TokenCounter, make_counter
-from inflight.bench.stats import SLO, summarize
+from inflight.bench.summary import SLO, summarize
 from inflight.bench.schedule import plan_point
 from inflight.bench.sustain import PASS, UNDECIDED, Thresholds, Verdict, Window, judge
 

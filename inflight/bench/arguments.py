@@ -19,7 +19,7 @@ import sys
 import aiohttp
 
 from inflight.bench.arrivals import PROCESSES
-from inflight.bench import commands, tune
+from inflight.bench import subcommands as commands, tune
 from inflight.bench.client import event_loop_factory
 from inflight.bench.confidence import DEFAULT_CONFIDENCE
 from inflight.bench.sustain import DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE

@@ -1,7 +1,7 @@
 """The ``bench`` sub-commands: ``serve`` (one run), ``sweep`` (runs over loads and server
 knob values) and ``capacity`` (the SLO operating limit); ``tune`` is in
 :mod:`inflight.bench.tune`. Each takes the parsed arguments and returns an exit code; the
-parser is in :mod:`inflight.bench.cli`."""
+parser is in :mod:`inflight.bench.arguments`."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from inflight.bench.report import (format_summary, plot_capacity, plot_run, plot
 from inflight.bench.limit import LimitResult, SearchSpace, find_limit, limit_line
 from inflight.bench.machine import HostLoad, describe_machine, probe_host
 from inflight.bench.report_page import write_report
-from inflight.bench.runner import ArrivalConfig, LoadConfig, PointResult, Session, open_session, records_json, run_point
+from inflight.bench.session import ArrivalConfig, LoadConfig, PointResult, Session, open_session, records_json, run_point
 from inflight.bench.server_proc import ServerProcess
-from inflight.bench.stats import SLO, parse_slo
+from inflight.bench.summary import SLO, parse_slo
 from inflight.bench.sustain import (DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE,
                                     Thresholds, Verdict, evidence_lines, strictest_n_min)
 from inflight.bench.vllm_compat import (format_vllm_block, merge_goodput, parse_metric_percentiles,
