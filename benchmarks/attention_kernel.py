@@ -20,7 +20,8 @@ import os
 import torch
 
 from inflight.bench.timing import seconds_per_call
-from inflight.model.kernels import native_library, paged_decode_attention
+from inflight.model.kernels import paged_decode_attention
+from inflight.model.kernels.native_lib import native_library
 
 
 def main() -> None:

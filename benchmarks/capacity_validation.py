@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from inflight.bench.limit import lost_because
+from inflight.bench.limit_doc import lost_because
 from inflight.bench.machine import describe_machine
 from inflight.bench.server_proc import ServerProcess
 

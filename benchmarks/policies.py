@@ -56,7 +56,7 @@ import subprocess
 import sys
 import time
 
-from inflight.bench.limit import best_point, lost_because
+from inflight.bench.limit_doc import best_point, lost_because
 from inflight.bench.machine import cpu_shares, cpu_ticks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

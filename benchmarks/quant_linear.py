@@ -19,7 +19,8 @@ import torch
 
 import inflight.model.llama as llama
 from inflight.bench.timing import seconds_per_call
-from inflight.model.kernels import native_library, quant_linear, skinny_linear
+from inflight.model.kernels import quant_linear, skinny_linear
+from inflight.model.kernels.native_lib import native_library
 from inflight.model.quant import QuantFormat, QuantizedWeight
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

@@ -22,7 +22,8 @@ import torch
 
 import inflight.model.llama as llama
 from inflight.bench.timing import seconds_per_call
-from inflight.model.kernels import SKINNY_MAX_ROWS, native_library, skinny_linear
+from inflight.model.kernels import SKINNY_MAX_ROWS, skinny_linear
+from inflight.model.kernels.native_lib import native_library
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}

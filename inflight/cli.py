@@ -10,10 +10,13 @@ import argparse
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from inflight.bench.simulation import Simulator
 
 
-def _add_generate(sub) -> None:
+def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from inflight.config import EngineConfig
 
     p = sub.add_parser("generate", help="generate from prompts offline (no server)")
@@ -29,7 +32,7 @@ def _add_generate(sub) -> None:
     EngineConfig.add_cli_args(p)
 
 
-def _run_generate(args) -> int:
+def _run_generate(args: argparse.Namespace) -> int:
     from inflight.config import EngineConfig
     from inflight.entrypoints.llm import LLM
     from inflight.sampling_params import SamplingParams
@@ -57,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     try:
         from inflight.cluster.options import add_cluster_args
-        from inflight.server.app import add_serve_parser
+        from inflight.server.serve_args import add_serve_parser
         add_cluster_args(add_serve_parser(sub))
     except ImportError:
         pass
@@ -79,19 +82,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _run_generate(args)
         if args.command == "serve" and args.data_parallel_size > 1:
-            from inflight.cluster.serve import run_cluster_serve  # imports Ray
+            from inflight.cluster.serve import RayReplicas  # imports Ray
+            from inflight.server.lifecycle import run_serve
             try:
-                status = run_cluster_serve(args)
+                status = run_serve(args, RayReplicas(args))
             except RuntimeError as e:  # Ray missing, a replica that did not start
                 print(f"inflight: error: {e}", file=sys.stderr)
                 status = 2
             _exit_at_once(status)
         if args.command == "serve":
-            from inflight.server.app import run_serve
+            from inflight.server.lifecycle import run_serve
             _exit_at_once(run_serve(args))
         if args.command == "bench":
             from inflight.bench.arguments import run_bench
-            return run_bench(args)
+            return run_bench(args, _bench_simulator(args))
         if args.command == "profile":
             from inflight.sim.measure import run_profile
             return run_profile(args)
@@ -99,6 +103,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inflight: error: {e}", file=sys.stderr)
         return 2
     return 1
+
+
+def _bench_simulator(args: argparse.Namespace) -> Simulator | None:
+    """The simulator ``inflight bench`` runs ``--simulate`` and ``--calibrate`` on (bench
+    imports none), reading ``--serve-cmd`` with ``inflight serve``'s own parser; None for
+    a measuring run, which then loads no simulator."""
+    if not (getattr(args, "simulate", None) or getattr(args, "calibrate", False)):
+        return None
+    from inflight.sim.bench_simulator import BenchSimulator
+    return BenchSimulator(_serve_parser().parse_args)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    """``inflight serve``'s parser alone: server flags, cluster flags and every engine flag."""
+    from inflight.cluster.options import add_cluster_args
+    from inflight.server.serve_args import add_serve_parser
+
+    sub = argparse.ArgumentParser(prog="inflight").add_subparsers(dest="command")
+    p = add_serve_parser(sub)
+    add_cluster_args(p)
+    return p
 
 
 def _exit_at_once(status: int) -> NoReturn:

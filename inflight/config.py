@@ -30,6 +30,30 @@ DEFAULT_KV_CACHE_MEMORY_CAP = 4 << 30
 # queue by design).
 DEFAULT_OVERLOAD_TTFT = 1.0
 DEFAULT_MAX_STEP_TIME = 0.5
+# `inflight serve`'s admission bound: sequences that may wait beyond the free running slots
+# before requests get 503 (``ServingConfig.max_num_waiting``).
+DEFAULT_MAX_NUM_WAITING = 512
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Settings of the serving front (admission), apart from the engine's.
+
+    Attributes:
+        max_num_waiting: per engine, sequences allowed to wait for admission (queued or
+            reserved, plus the scheduler's waiting queue) beyond its free running slots;
+            past it requests get 503 with ``Retry-After``. None: unbounded (an engine
+            driven without a server).
+
+    Raises:
+        ValueError: a negative ``max_num_waiting``.
+    """
+
+    max_num_waiting: int | None = DEFAULT_MAX_NUM_WAITING
+
+    def __post_init__(self) -> None:
+        if self.max_num_waiting is not None and self.max_num_waiting < 0:
+            raise ValueError(f"max_num_waiting: must be >= 0, got {self.max_num_waiting}")
 
 
 @dataclass(frozen=True)
@@ -152,66 +176,8 @@ class EngineConfig:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """Add one ``--flag`` per field (vLLM's spelling) to ``parser``."""
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="a .gguf file or HF model directory "
-                       "(default: the bundled SmolLM2-135M-Instruct GGUF)")
-        g.add_argument("--dtype", default="auto", choices=DTYPES)
-        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-        g.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
-                       help="linear-layer weights for decode: gguf keeps a GGUF file's own "
-                            "Q8_0/Q4_0/Q4_1 blocks, q8_0/q4_0/q4_1 quantize to one, none "
-                            "keeps them dense; auto: gguf for a GGUF file on CPU, else none")
-        g.add_argument("--device", default="auto", choices=DEVICES)
-        g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-        g.add_argument("--num-kv-blocks", type=int, default=None,
-                       help="KV pool size in blocks (overrides --kv-cache-memory-bytes)")
-        g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
-                       help="KV pool size in bytes (suffixes K, M, G allowed)")
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        g.add_argument("--max-model-len", type=int, default=None,
-                       help="longest sequence, prompt plus output tokens (default: the "
-                            "model's, lowered to what the KV cache holds); a value the KV "
-                            "cache cannot hold is refused at start")
-        g.add_argument("--max-num-seqs", type=int, default=256)
-        g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                       default=True)
-        g.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                       help="most prompt tokens one request computes in a step (0: no cap); "
-                       "below the budget, requests behind a long prompt start before its "
-                       "prefill ends")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=True, help="reuse cached KV blocks of shared prompt prefixes")
-        g.add_argument("--batching-policy", default="continuous", choices=BATCHING_POLICIES)
-        g.add_argument("--max-queue-delay", type=float, default=0.05,
-                       help="dynamic policy: seconds the oldest request waits for a batch")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
-                       help="fcfs; priority (request field 'priority', lower first, with aging); "
-                            "slo (earliest TTFT deadline first, ITL-bounded step budget, "
-                            "shedding of requests that cannot meet their TTFT target)")
-        g.add_argument("--ttft-slo", type=float, default=None,
-                       help="slo policy: default TTFT target, seconds")
-        g.add_argument("--itl-slo", type=float, default=None,
-                       help="slo policy: default inter-token latency target, seconds")
-        g.add_argument("--max-queue-time", type=float, default=None,
-                       help="shed requests that waited this many seconds without starting")
-        g.add_argument("--overload-ttft", type=_seconds_or_off, default=None, metavar="S",
-                       help="overload shedding: once the waiting queue has not emptied for "
-                            f"{OVERLOAD_INTERVAL_S:g} s, requests predicted to get their first token "
-                            "more than S seconds after arrival get 503 + Retry-After at once (serve's default "
-                            f"{DEFAULT_OVERLOAD_TTFT:g}; 0: off)")
-        g.add_argument("--max-step-time", type=_seconds_or_off, default=None, metavar="S",
-                       help="cap each step's token budget so a step with decodes is predicted "
-                            "to take at most S seconds: the inter-token latency a prefill chunk "
-                            f"costs every running request (serve's default {DEFAULT_MAX_STEP_TIME:g}; 0: off)")
-        g.add_argument("--priority-aging-s", type=float, default=2.0,
-                       help="priority policy: seconds of waiting worth one priority level; "
-                            "priority p goes ahead of priority q requests arriving "
-                            "(p - q) x this many seconds after it (0: no aging)")
-        g.add_argument("--num-threads", type=int, default=None)
-        g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--step-breakdown", action="store_true",
-                       help="time scheduling, input preparation, forward (attention apart), "
-                            "sampling and output per step; logged with the stats line")
+        _add_model_args(g)
+        _add_scheduling_args(g)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -242,3 +208,71 @@ def _parse_bytes(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a byte count such as 4096, 512M or 2G, got {text!r}") from None
+
+
+def _add_model_args(g: argparse._ArgumentGroup) -> None:
+    """The model, memory and batch-size flags."""
+    g.add_argument("--model", default=None, help="a .gguf file or HF model directory "
+                   "(default: the bundled SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    g.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
+                   help="linear-layer weights for decode: gguf keeps a GGUF file's own "
+                        "Q8_0/Q4_0/Q4_1 blocks, q8_0/q4_0/q4_1 quantize to one, none "
+                        "keeps them dense; auto: gguf for a GGUF file on CPU, else none")
+    g.add_argument("--device", default="auto", choices=DEVICES)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks (overrides --kv-cache-memory-bytes)")
+    g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
+                   help="KV pool size in bytes (suffixes K, M, G allowed)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt plus output tokens (default: the "
+                        "model's, lowered to what the KV cache holds); a value the KV "
+                        "cache cannot hold is refused at start")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request computes in a step (0: no cap); "
+                   "below the budget, requests behind a long prompt start before its "
+                   "prefill ends")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse cached KV blocks of shared prompt prefixes")
+
+
+def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
+    """The batching, scheduling, overload and runtime flags."""
+    g.add_argument("--batching-policy", default="continuous", choices=BATCHING_POLICIES)
+    g.add_argument("--max-queue-delay", type=float, default=0.05,
+                   help="dynamic policy: seconds the oldest request waits for a batch")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="fcfs; priority (request field 'priority', lower first, with aging); "
+                        "slo (earliest TTFT deadline first, ITL-bounded step budget, "
+                        "shedding of requests that cannot meet their TTFT target)")
+    g.add_argument("--ttft-slo", type=float, default=None,
+                   help="slo policy: default TTFT target, seconds")
+    g.add_argument("--itl-slo", type=float, default=None,
+                   help="slo policy: default inter-token latency target, seconds")
+    g.add_argument("--max-queue-time", type=float, default=None,
+                   help="shed requests that waited this many seconds without starting")
+    g.add_argument("--overload-ttft", type=_seconds_or_off, default=None, metavar="S",
+                   help="overload shedding: once the waiting queue has not emptied for "
+                        f"{OVERLOAD_INTERVAL_S:g} s, requests predicted to get their first token "
+                        "more than S seconds after arrival get 503 + Retry-After at once (serve's default "
+                        f"{DEFAULT_OVERLOAD_TTFT:g}; 0: off)")
+    g.add_argument("--max-step-time", type=_seconds_or_off, default=None, metavar="S",
+                   help="cap each step's token budget so a step with decodes is predicted "
+                        "to take at most S seconds: the inter-token latency a prefill chunk "
+                        f"costs every running request (serve's default {DEFAULT_MAX_STEP_TIME:g}; 0: off)")
+    g.add_argument("--priority-aging-s", type=float, default=2.0,
+                   help="priority policy: seconds of waiting worth one priority level; "
+                        "priority p goes ahead of priority q requests arriving "
+                        "(p - q) x this many seconds after it (0: no aging)")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--step-breakdown", action="store_true",
+                   help="time scheduling, input preparation, forward (attention apart), "
+                        "sampling and output per step; logged with the stats line")

@@ -16,6 +16,9 @@ class RequestMetrics:
 
     ``first_token_time - arrival_time`` is the TTFT; ``finished_time - arrival_time`` the
     end-to-end latency; ``first_scheduled_time - arrival_time`` the queueing time.
+    ``n`` and ``max_tokens`` are the request's sampling parameters as the engine took them
+    (vLLM carries them on its finished request's stats too), for the per-request
+    ``request_params_*`` histograms; None where unknown (an output built by hand).
     """
 
     arrival_time: float
@@ -24,6 +27,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    n: int | None = None
+    max_tokens: int | None = None
 
 
 @dataclass

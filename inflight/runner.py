@@ -10,15 +10,15 @@ import logging
 import math
 
 import numpy as np
-
 import torch
 
 from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
+from inflight.faults import FAULTS
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.profiling import NULL_TIMER
-from inflight.faults import FAULTS
+from inflight.request import Request
 from inflight.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ PROMPT_LOGITS_ROWS = 256
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem: int = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.kv_size * elem
 
 
@@ -82,7 +82,7 @@ class ModelRunner:
         with self.step_timer.section("sample"):
             return self.sampler.sample(logits, requests)
 
-    def compute_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
+    def compute_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Request]]:
         """Forward the step; logits ``[num_sampling_rows, vocab]`` float32 and their requests.
 
         Only rows that sample (a request's last known token) reach the LM head.
@@ -91,8 +91,9 @@ class ModelRunner:
         # the model's quantized-weight rule is about the leading generated rows.
         generated = [s for s in out.scheduled
                      if s.is_decode and s.num_computed_tokens >= s.request.num_prompt_tokens]
-        decodes = generated + [s for s in out.scheduled
-                               if s.is_decode and s.num_computed_tokens < s.request.num_prompt_tokens]
+        decodes = generated + [
+            s for s in out.scheduled
+            if s.is_decode and s.num_computed_tokens < s.request.num_prompt_tokens]
         prefills = [s for s in out.scheduled if not s.is_decode]
         timer = self.step_timer
         with timer.section("prepare"):
@@ -117,7 +118,6 @@ class ModelRunner:
                 return None, []
             return self.model.compute_logits(hidden.index_select(0, index)), requests
 
-    @torch.inference_mode()
     def _record_prompt_logprobs(self, hidden: torch.Tensor, s: ScheduledRequest,
                                 first_row: int) -> None:
         """Append the prompt logprobs this step's rows of ``s`` give (vLLM's
@@ -125,35 +125,39 @@ class ModelRunner:
         request that asked reaches here, so other steps run no extra LM head rows; rows go
         through the LM head :data:`PROMPT_LOGITS_ROWS` at a time to bound the logits' size.
         Positions recorded before a preemption are not recorded again."""
-        req = s.request
-        recorded = req.prompt_logprobs
-        if not recorded:
-            recorded.append(None)  # the first token has no context to be scored in
-        start = max(s.num_computed_tokens, len(recorded) - 1)
-        end = min(s.num_computed_tokens + s.num_scheduled_tokens, req.num_prompt_tokens - 1)
-        if start >= end:
-            return
-        if start != len(recorded) - 1:  # a gap: positions computed elsewhere (cache hits)
-            raise RuntimeError(f"prompt logprobs of {req.request_id}: position "
-                               f"{len(recorded) - 1} was not computed")
-        k = req.sampling_params.prompt_logprobs or 0
-        for a in range(start, end, PROMPT_LOGITS_ROWS):
-            b = min(a + PROMPT_LOGITS_ROWS, end)
-            r0 = first_row + a - s.num_computed_tokens
-            logits = self.model.compute_logits(hidden[r0:r0 + b - a], prompt_rows=True)
-            logp = logits.log_softmax(dim=-1)
-            targets = torch.tensor(req.prompt_token_ids[a + 1:b + 1], device=logp.device)
-            chosen = logp.gather(1, targets[:, None])
-            ranks = (logp >= chosen).sum(dim=-1).tolist()  # vLLM's rank: ties count ahead
-            top_vals, top_ids = logp.topk(k, dim=-1)  # k = 0: empty rows
-            for t, lp, rank, tv, ti in zip(targets.tolist(), chosen[:, 0].tolist(), ranks,
-                                           top_vals.tolist(), top_ids.tolist()):
-                entry = {t: (lp, rank)}
-                for j, (tid, val) in enumerate(zip(ti, tv)):
-                    entry.setdefault(tid, (val, j + 1))
-                recorded.append(entry)
+        with torch.inference_mode():
+            req = s.request
+            recorded = req.prompt_logprobs
+            if not recorded:
+                recorded.append(None)  # the first token has no context to be scored in
+            start = max(s.num_computed_tokens, len(recorded) - 1)
+            end = min(s.num_computed_tokens + s.num_scheduled_tokens, req.num_prompt_tokens - 1)
+            if start >= end:
+                return
+            if start != len(recorded) - 1:  # a gap: positions computed elsewhere (cache hits)
+                raise RuntimeError(f"prompt logprobs of {req.request_id}: position "
+                                   f"{len(recorded) - 1} was not computed")
+            k = req.sampling_params.prompt_logprobs or 0
+            for a in range(start, end, PROMPT_LOGITS_ROWS):
+                b = min(a + PROMPT_LOGITS_ROWS, end)
+                r0 = first_row + a - s.num_computed_tokens
+                logits = self.model.compute_logits(hidden[r0:r0 + b - a], prompt_rows=True)
+                logp = logits.log_softmax(dim=-1)
+                targets = torch.tensor(req.prompt_token_ids[a + 1:b + 1], device=logp.device)
+                chosen = logp.gather(1, targets[:, None])
+                ranks = (logp >= chosen).sum(dim=-1).tolist()  # vLLM's rank: ties count ahead
+                top_vals, top_ids = logp.topk(k, dim=-1)  # k = 0: empty rows
+                for t, lp, rank, tv, ti in zip(targets.tolist(), chosen[:, 0].tolist(), ranks,
+                                               top_vals.tolist(), top_ids.tolist()):
+                    entry = {t: (lp, rank)}
+                    for j, (tid, val) in enumerate(zip(ti, tv)):
+                        entry.setdefault(tid, (val, j + 1))
+                    recorded.append(entry)
 
-    def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
+    def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's flattened ``input_ids`` and ``positions`` (``[num_tokens]`` int64,
+        decodes first) and its attention layout (slots, decode block tables, prefill chunks)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []

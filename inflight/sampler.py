@@ -43,7 +43,6 @@ class Sampler:
         """Forget a finished request's generator."""
         self._request_generators.pop(request_id, None)
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
         """Sample one token per row.
 
@@ -54,30 +53,31 @@ class Sampler:
         Returns:
             One ``SampleResult`` per row, in row order.
         """
-        FAULTS.check("sampler")
-        raw = logits
-        if any(_needs_penalties(r) for r in requests):
-            # Penalties edit logits in place; the raw ones stay intact for logprobs.
-            logits = self._apply_penalties(logits.clone(), requests)
-        # a terminated grammar's request ends in this step's update; never mask by it
-        constrained = [(i, r.grammar) for i, r in enumerate(requests)
-                       if r.grammar is not None and not r.grammar.is_terminated]
-        if constrained:
-            logits = self._apply_grammars(logits if logits is not raw else logits.clone(), raw,
-                                          constrained, requests)
-        greedy = [r.sampling_params.is_greedy for r in requests]
-        tokens = logits.argmax(dim=-1)
-        if not all(greedy):
-            rows = [i for i, g in enumerate(greedy) if not g]
-            sampled = self._sample_random(logits[rows], [requests[i] for i in rows])
-            tokens[rows] = sampled
-        token_list = tokens.tolist()
-        for i, state in constrained:
-            if not state.accept(token_list[i]):  # cannot happen: the mask allowed it
-                logger.error("request %s: grammar rejected sampled token %d",
-                             requests[i].request_id, token_list[i])
-        logprob_list = self._logprobs(raw, tokens, requests)
-        return [SampleResult(r, t, lp) for r, t, lp in zip(requests, token_list, logprob_list)]
+        with torch.inference_mode():
+            FAULTS.check("sampler")
+            raw = logits
+            if any(_needs_penalties(r) for r in requests):
+                # Penalties edit logits in place; the raw ones stay intact for logprobs.
+                logits = self._apply_penalties(logits.clone(), requests)
+            # a terminated grammar's request ends in this step's update; never mask by it
+            constrained = [(i, r.grammar) for i, r in enumerate(requests)
+                           if r.grammar is not None and not r.grammar.is_terminated]
+            if constrained:
+                logits = self._apply_grammars(logits if logits is not raw else logits.clone(), raw,
+                                              constrained, requests)
+            greedy = [r.sampling_params.is_greedy for r in requests]
+            tokens = logits.argmax(dim=-1)
+            if not all(greedy):
+                rows = [i for i, g in enumerate(greedy) if not g]
+                sampled = self._sample_random(logits[rows], [requests[i] for i in rows])
+                tokens[rows] = sampled
+            token_list = tokens.tolist()
+            for i, state in constrained:
+                if not state.accept(token_list[i]):  # cannot happen: the mask allowed it
+                    logger.error("request %s: grammar rejected sampled token %d",
+                                 requests[i].request_id, token_list[i])
+            logprob_list = self._logprobs(raw, tokens, requests)
+            return [SampleResult(r, t, lp) for r, t, lp in zip(requests, token_list, logprob_list)]
 
     @staticmethod
     def _apply_grammars(logits: torch.Tensor, raw: torch.Tensor,

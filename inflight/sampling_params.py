@@ -8,7 +8,7 @@ unchanged. Every invalid value raises ``ValueError`` whose message starts with t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from inflight.structured_output import StructuredOutputsParams
 
@@ -134,14 +134,14 @@ class SamplingParams:
         """True when the next token is the argmax (temperature 0)."""
         return self.temperature < _GREEDY_EPS
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes: Any) -> "SamplingParams":
         """A validated copy with ``changes`` applied (used to fan out ``n`` completions)."""
         return replace(self, **changes)
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x) -> bool:
+def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

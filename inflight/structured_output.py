@@ -48,7 +48,7 @@ class StructuredOutputsParams:
             message starts with ``structured_outputs``.
     """
 
-    json: str | dict | None = None
+    json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
@@ -88,7 +88,7 @@ class StructuredOutputsParams:
             spec = ""
         else:
             spec = getattr(self, kind)
-        return kind, spec  # type: ignore[return-value]
+        return kind, spec
 
 
 def _choice_grammar(choices: Sequence[str]) -> str:

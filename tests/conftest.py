@@ -43,7 +43,7 @@ def pytest_report_header(config):
     """Which instruction-set path this run's numerics take (issue 29: a bound tuned on one
     path failed on the other)."""
     try:
-        from inflight.model.kernels import onednn_has_amx
+        from inflight.model.kernels.native_lib import onednn_has_amx
         amx = onednn_has_amx()
     except Exception as e:  # noqa: BLE001 - a header must not stop the run
         return f"cpu path: unknown ({type(e).__name__})"

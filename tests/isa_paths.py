@@ -20,7 +20,7 @@ NO_AMX = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "INFLIGHT_CPU_AMX": "0"}
 
 
 def main(argv: list[str]) -> int:
-    from inflight.model.kernels import onednn_has_amx
+    from inflight.model.kernels.native_lib import onednn_has_amx
 
     if not onednn_has_amx():
         print("isa_paths: this host's oneDNN has no AMX tiles; the suite just ran the non-AMX path "

@@ -1,14 +1,14 @@
 """``inflight bench``: a load tool for any OpenAI-compatible server (inflight, vLLM, llama.cpp).
 
-It is a client only and imports nothing from the engine. Modules: ``datasets`` (request
-mixes), ``prompts`` (prompt text of an exact token count), ``arrivals`` (send schedules),
-``schedule`` (a point's phases: warm-up, window, cool-down), ``client`` (streaming
-requests, chunk timings), ``stats`` (latency percentiles, goodput), ``confidence``
-(intervals of SLO statistics), ``sustain`` (is a load sustained: the verdict and its
-evidence), ``metrics_scrape`` (server ``/metrics``), ``runner`` (one point), ``capacity``
-(search and hold), ``limit`` (one configuration's operating limit), ``tune`` (one knob at a
-time), ``server_proc`` (a server per configuration), ``report`` (table, JSON/CSV, plots),
-``report_page`` (the operating-limit report), ``machine`` (what it ran on), ``commands``
-(serve, sweep, capacity), ``cli`` (``add_bench_parser``, ``run_bench``).
-See docs/bench.md and docs/capacity.md.
+It is a client only and imports nothing from the engine, nor the simulator: ``--simulate``
+and ``--calibrate`` run on a ``simulation.Simulator`` that the top-level command line
+plugs in. The run: ``arguments`` (the parser and ``run_bench``) -> ``configure`` (the flags,
+once, into ``run_config``'s frozen settings; ``vllm_compat``: vLLM's spellings) -> the
+sub-commands (``subcommands``: serve, sweep; ``capacity_command``; ``tune`` with
+``knob_flags``) -> ``connect`` (servers started per configuration, sessions) -> ``session``
+(a run's fixed part, ``run_point`` on its ``PointTarget``: ``http_target`` with
+``server_routes``, or a simulator) and ``limit`` (one configuration's operating limit).
+Measuring: ``datasets``, ``prompts``, ``arrivals``, ``schedule``, ``client``, ``looks``,
+``metrics_scrape``, ``summary``, ``confidence``, ``sustain``; reporting: ``report``,
+``report_page``, ``vllm_result``, ``machine``. See docs/bench.md and docs/capacity.md.
 """

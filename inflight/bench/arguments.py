@@ -15,16 +15,25 @@ import math
 import os
 import signal
 import sys
+from typing import Any, Callable, Coroutine, TypeVar
 
 import aiohttp
 
 from inflight.bench.arrivals import PROCESSES
-from inflight.bench import subcommands as commands, tune
+from inflight.bench.capacity_command import capacity
 from inflight.bench.client import event_loop_factory
 from inflight.bench.confidence import DEFAULT_CONFIDENCE
-from inflight.bench.sustain import DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE
+from inflight.bench.configure import bench_config
+from inflight.bench.connect import Run
 from inflight.bench.datasets import BUILDERS, DatasetConfig, default_data_dir
+from inflight.bench.simulation import Simulator
+from inflight.bench.subcommands import serve, sweep
+from inflight.bench.sustain import DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE
+from inflight.bench.tune import tune
 from inflight.bench.vllm_compat import add_vllm_args, endpoint_type
+
+Command = Callable[[Run], Coroutine[Any, Any, int]]
+COMMANDS: dict[str, Command] = {"serve": serve, "sweep": sweep, "capacity": capacity, "tune": tune}
 
 
 # ---------------------------------------------------------------- parsing
@@ -36,7 +45,7 @@ def _rate(text: str) -> float:
     return v
 
 
-def _count(minimum: int):
+def _count(minimum: int) -> Callable[[str], int]:
     """An int flag of at least ``minimum``: argparse names the flag in its error."""
     def parse(text: str) -> int:
         v = int(text)
@@ -56,7 +65,7 @@ def _floats(text: str) -> list[float]:
     return [_rate(x) for x in text.split(",") if x.strip()]
 
 
-def _json_obj(text: str) -> dict:
+def _json_obj(text: str) -> dict[str, Any]:
     try:
         v = json.loads(text)
     except ValueError as e:
@@ -68,6 +77,16 @@ def _json_obj(text: str) -> dict:
 
 def _common_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
+    _server_flags(p)
+    _dataset_flags(p)
+    _arrival_flags(p)
+    _output_flags(p)
+    add_vllm_args(p)
+    _simulation_flags(p)
+    return p
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default=None,
                    help="server root (default http://127.0.0.1:8000, or http://--host:--port)")
@@ -87,6 +106,8 @@ def _common_parser() -> argparse.ArgumentParser:
                    help="scrape GET /metrics during the run (default on)")
     g.add_argument("--metrics-interval", type=float, default=1.0, metavar="S", help="scrape period (s)")
 
+
+def _dataset_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", choices=tuple(BUILDERS), default=None, help="default random (or --dataset-name)")
     g.add_argument("--data-dir", default=None,
@@ -136,6 +157,8 @@ def _common_parser() -> argparse.ArgumentParser:
                    help="how prompt tokens are counted: server /tokenize, --tokenizer, or whitespace words")
     g.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer dir or .gguf file")
 
+
+def _arrival_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("arrivals")
     g.add_argument("--arrival", choices=PROCESSES, default=None,
                    help="default poisson; gamma when --burstiness is not 1, as vLLM")
@@ -155,6 +178,8 @@ def _common_parser() -> argparse.ArgumentParser:
                    help="with --duration: how long after the window the sample may take to finish, "
                         "under continued arrivals; still unfinished then = censored (default duration / 2)")
 
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--slo", default=None,
                    help="targets, seconds or 'ms': ttft=,tpot=,itl=,e2e= per request (goodput); "
@@ -167,8 +192,8 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", metavar="FILE.png", help="write a plot")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
-    add_vllm_args(p)
 
+def _simulation_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulation (no server: docs/simulator.md)")
     g.add_argument("--simulate", metavar="PROFILE.json",
                    help="simulate the run on a step-time profile (`inflight profile`) instead of sending "
@@ -178,7 +203,6 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--router", default="prefix_affinity",
                    help="--simulate with --replicas > 1: round_robin, least_load or prefix_affinity "
                         "(inflight.routing; default %(default)s)")
-    return p
 
 
 def _fraction(text: str) -> float:
@@ -206,7 +230,7 @@ def _server_args(p: argparse.ArgumentParser, tune: bool = False) -> None:
     g.add_argument("--server-log-dir", help="keep each server's output here (default: a temp file)")
 
 
-def add_bench_parser(subparsers) -> None:
+def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``bench`` with sub-commands ``serve``, ``sweep``, ``capacity`` and ``tune`` to ``subparsers``."""
     common = _common_parser()
     bench = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server",
@@ -239,22 +263,22 @@ def add_bench_parser(subparsers) -> None:
     capacity.add_argument("--report", metavar="DIR", help="write a report page (Markdown + PNGs) here")
     _server_args(capacity)
 
-    tune = sub.add_parser("tune", parents=[common], help="one knob at a time: the operating limit per value",
-                          description="Vary one server knob at a time around a base command, find the "
-                                      "operating limit of each value, keep the best, move to the next "
-                                      "knob; report the recommended configuration. Resumable.")
-    tune.add_argument("--knob", action="append", required=True, metavar="NAME=V1,V2,...",
-                      help="a flag of the served command and its values, e.g. max-num-seqs=8,16,32, or "
-                           "parallel=8,16,32 for llama-server (repeat for more knobs, tuned in the order "
-                           "given; on/off for a boolean flag). It replaces the flag where the command has it, "
-                           "in any spelling: parallel and np both set llama-server's --parallel / -np "
-                           "(llama-server's and vLLM's short forms are known: np, c, b, ub, t, ngl, fa, "
-                           "ctk, ctv, cb, tp, pp, dp, ...); another short flag: --knob=-x=1,2")
-    tune.add_argument("--report", metavar="DIR", default="tune-report",
-                      help="report page, plots and the resumable state (default %(default)s)")
-    tune.add_argument("--fresh", action="store_true", help="ignore saved points in --report and start over")
-    _search_args(tune)
-    _server_args(tune, tune=True)
+    tuning = sub.add_parser("tune", parents=[common], help="one knob at a time: the operating limit per value",
+                            description="Vary one server knob at a time around a base command, find the "
+                                        "operating limit of each value, keep the best, move to the next "
+                                        "knob; report the recommended configuration. Resumable.")
+    tuning.add_argument("--knob", action="append", required=True, metavar="NAME=V1,V2,...",
+                        help="a flag of the served command and its values, e.g. max-num-seqs=8,16,32, or "
+                             "parallel=8,16,32 for llama-server (repeat for more knobs, tuned in the order "
+                             "given; on/off for a boolean flag). It replaces the flag where the command has it, "
+                             "in any spelling: parallel and np both set llama-server's --parallel / -np "
+                             "(llama-server's and vLLM's short forms are known: np, c, b, ub, t, ngl, fa, "
+                             "ctk, ctv, cb, tp, pp, dp, ...); another short flag: --knob=-x=1,2")
+    tuning.add_argument("--report", metavar="DIR", default="tune-report",
+                        help="report page, plots and the resumable state (default %(default)s)")
+    tuning.add_argument("--fresh", action="store_true", help="ignore saved points in --report and start over")
+    _search_args(tuning)
+    _server_args(tuning, tune=True)
 
 
 def _search_args(p: argparse.ArgumentParser) -> None:
@@ -294,11 +318,10 @@ def _search_args(p: argparse.ArgumentParser) -> None:
                         "(default %(default)s)")
 
 
-COMMANDS = {**commands.COMMANDS, "tune": tune.tune}
-
-
-def run_bench(args) -> int:
-    """Run the parsed ``bench`` sub-command; returns the process exit code.
+def run_bench(args: argparse.Namespace, simulator: Simulator | None = None) -> int:
+    """Run the parsed ``bench`` sub-command; returns the process exit code. ``simulator``:
+    what runs ``--simulate`` and ``--calibrate`` (the top-level command line plugs in
+    ``inflight.sim``'s; without one, those flags are a usage error).
 
     SIGTERM cancels the run like Ctrl-C does, so servers it started are stopped (143).
     """
@@ -309,8 +332,9 @@ def run_bench(args) -> int:
             parser.print_help(sys.stderr)
         return 2
     try:
+        run = Run(bench_config(args), simulator)
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            return runner.run(_cancellable(COMMANDS[command](args)))
+            return runner.run(_cancellable(COMMANDS[command](run)))
     except ValueError as e:
         print(f"inflight bench {command}: error: {e}", file=sys.stderr)
         return 2
@@ -327,7 +351,10 @@ def run_bench(args) -> int:
         return 143
 
 
-async def _cancellable(coro):
+T = TypeVar("T")
+
+
+async def _cancellable(coro: Coroutine[Any, Any, T]) -> T:
     task = asyncio.ensure_future(coro)
     loop = asyncio.get_running_loop()
     try:

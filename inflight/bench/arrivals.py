@@ -57,7 +57,8 @@ def rate_offsets(n: int, rate: float, process: str = "poisson", burstiness: floa
     if math.isinf(rate):
         return [0.0] * n
     gaps = unit_gaps(n - 1, process, burstiness, seed) / rate
-    return [0.0] + np.cumsum(gaps).tolist()
+    offsets: list[float] = np.cumsum(gaps).tolist()
+    return [0.0] + offsets
 
 
 def trace_offsets(trace_times: Sequence[float], time_scale: float = 1.0) -> list[float]:

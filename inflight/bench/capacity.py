@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 
 @dataclass
@@ -39,16 +39,16 @@ class PointOutcome:
     load: float
     passed: bool
     reasons: list[str] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
-    evidence: dict = field(default_factory=dict)  # sustain.judge's, pass or fail
-    timeline: dict | None = None  # limit.timeline: in-flight and server gauges over time
+    summary: dict[str, Any] = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)  # sustain.judge's, pass or fail
+    timeline: dict[str, Any] | None = None  # limit.timeline: in-flight and server gauges over time
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"load": self.load, "passed": self.passed, "reasons": self.reasons, "summary": self.summary,
                 "evidence": self.evidence, "timeline": self.timeline}
 
     @classmethod
-    def from_json(cls, d: dict) -> "PointOutcome":
+    def from_json(cls, d: dict[str, Any]) -> "PointOutcome":
         return cls(d["load"], d["passed"], d["reasons"], d["summary"], d.get("evidence") or {}, d.get("timeline"))
 
 
@@ -95,61 +95,90 @@ async def search(measure: Measure, start: float, min_load: float, max_load: floa
         raise ValueError("need 0 < min_load <= start <= max_load")
     if not step > 1:
         raise ValueError("need step > 1")
-    points: list[PointOutcome] = []
+    run = _Search(measure, min_load, max_load, max_points, step, advise)
+    lo: float | None
+    hi: float | None
+    if await run.probe(start):
+        lo, hi = await run.up_from(start)
+    else:
+        lo, hi = await run.down_from(start)
+    if lo is None:
+        return SearchResult(None, True, run.points)
+    if hi is None:
+        return SearchResult(lo, False, run.points)
+    return SearchResult(await run.bisect(lo, hi, tolerance), True, run.points)
 
-    async def probe(x: float) -> bool:
-        p = await measure(x)
-        points.append(p)
+
+@dataclass
+class _Search:
+    """One search's points and the rules it moves by (``search``'s arguments)."""
+
+    measure: Measure
+    min_load: float
+    max_load: float
+    max_points: int
+    step: float
+    advise: Advise | None
+    points: list[PointOutcome] = field(default_factory=list)
+
+    async def probe(self, x: float) -> bool:
+        """Measure load ``x``; whether it passed."""
+        p = await self.measure(x)
+        self.points.append(p)
         return p.passed
 
-    async def advised(default: float, up: bool) -> float:
-        if advise is None or len(points) != 1:
+    async def advised(self, default: float, up: bool) -> float:
+        """The second point's load: the advised one where it lies past ``default`` in the
+        direction the first verdict points (``up``: it passed), else ``default``."""
+        if self.advise is None or len(self.points) != 1:
             return default
-        guess = await advise()
+        guess = await self.advise()
         if guess is None:
             return default
         if up and guess > default:
-            return min(guess, max_load)
+            return min(guess, self.max_load)
         if not up and guess < default:
-            return max(guess, min_load)
+            return max(guess, self.min_load)
         return default
 
-    lo: float | None = None
-    hi: float | None = None
-    x, factor = start, step
-    if await probe(x):
-        lo = x
-        while len(points) < max_points and lo < max_load:
-            x = await advised(min(lo * factor, max_load), up=True)
-            factor = min(factor * factor, max(step, 2.0))
-            if await probe(x):
-                lo = x
-            else:
-                hi = x
-                break
-    else:
-        hi = x
-        while len(points) < max_points and hi > min_load:
-            x = await advised(max(hi / factor, min_load), up=False)
-            factor = min(factor * factor, max(step, 2.0))
-            if await probe(x):
-                lo = x
-                break
+    def gallop(self, factor: float) -> float:
+        """The next bracketing factor: squared, up to 2 (or ``step`` where larger)."""
+        return min(factor * factor, max(self.step, 2.0))
+
+    async def up_from(self, lo: float) -> tuple[float, float | None]:
+        """From a passing load, step up until one fails: (highest pass, the failure or None)."""
+        factor = self.step
+        while len(self.points) < self.max_points and lo < self.max_load:
+            x = await self.advised(min(lo * factor, self.max_load), up=True)
+            factor = self.gallop(factor)
+            if not await self.probe(x):
+                return lo, x
+            lo = x
+        return lo, None
+
+    async def down_from(self, hi: float) -> tuple[float | None, float]:
+        """From a failing load, step down until one passes: (the pass or None, lowest failure)."""
+        factor = self.step
+        while len(self.points) < self.max_points and hi > self.min_load:
+            x = await self.advised(max(hi / factor, self.min_load), up=False)
+            factor = self.gallop(factor)
+            if await self.probe(x):
+                return x, hi
             hi = x
-    if lo is None:
-        return SearchResult(None, True, points)
-    if hi is None:
-        return SearchResult(lo, False, points)
-    while hi / lo > 1 + tolerance and len(points) < max_points:
-        mid = math.sqrt(lo * hi)
-        if await probe(mid):
-            lo = mid
-        else:
-            hi = mid
-    return SearchResult(lo, True, points)
+        return None, hi
+
+    async def bisect(self, lo: float, hi: float, tolerance: float) -> float:
+        """Bisect [lo, hi] at geometric means until ``hi / lo <= 1 + tolerance``; the highest pass."""
+        while hi / lo > 1 + tolerance and len(self.points) < self.max_points:
+            mid = math.sqrt(lo * hi)
+            if await self.probe(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
 
-def spread(limits: list[float | None]) -> dict:
+def spread(limits: list[float | None]) -> dict[str, Any]:
     """Mean, standard deviation, min and max of the limits found over repeats."""
     found = [x for x in limits if x is not None]
     if not found:

@@ -74,14 +74,14 @@ class RequestRecord:
     # are the retry's): not a failure, counted in the summary (stats.summarize).
     connection_retries: int = 0
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def build_payload(spec: RequestSpec, endpoint: str, model: str, temperature: float | None,
-                  extra_body: dict | None = None) -> dict:
+                  extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON body for ``endpoint`` in {"completions", "chat"}."""
-    body: dict = {"model": model, "max_tokens": spec.output_len, "stream": True,
+    body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "stream": True,
                   "stream_options": {"include_usage": True}}
     if endpoint == "chat":
         body["messages"] = spec.as_messages()
@@ -100,7 +100,7 @@ def endpoint_path(endpoint: str) -> str:
     return "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
 
 
-def _chunk_text(data: dict) -> str:
+def _chunk_text(data: dict[str, Any]) -> str:
     choices = data.get("choices") or []
     if not choices:
         return ""
@@ -110,10 +110,11 @@ def _chunk_text(data: dict) -> str:
     return c.get("text") or ""
 
 
-def _finish_reason(data: dict) -> str | None:
+def _finish_reason(data: dict[str, Any]) -> str | None:
     for c in data.get("choices") or []:
         if c.get("finish_reason"):
-            return c["finish_reason"]
+            reason: str = c["finish_reason"]
+            return reason
     return None
 
 
@@ -186,7 +187,7 @@ async def fresh_connection(client: aiohttp.ClientSession) -> AsyncIterator[aioht
         yield fresh
 
 
-async def stream_request(client: aiohttp.ClientSession, url: str, payload: dict,
+async def stream_request(client: aiohttp.ClientSession, url: str, payload: dict[str, Any],
                          record: RequestRecord, headers: dict[str, str] | None = None,
                          timeout: float = 600.0, clock: Clock = time.perf_counter) -> RequestRecord:
     """Send one streamed request and fill ``record`` (times from ``clock``, seconds).
@@ -225,7 +226,7 @@ async def stream_request(client: aiohttp.ClientSession, url: str, payload: dict,
     return record
 
 
-async def post_json(client: aiohttp.ClientSession, url: str, body: dict | None = None,
+async def post_json(client: aiohttp.ClientSession, url: str, body: dict[str, Any] | None = None,
                     headers: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, Any]:
     """POST ``body`` as JSON to a side route (``/tokenize``, ``/reset_prefix_cache``); returns
     the status and the answer parsed as JSON (None where it is not JSON). A connection that
@@ -252,7 +253,7 @@ async def post_json(client: aiohttp.ClientSession, url: str, body: dict | None =
         return resp.status, None
 
 
-async def _stream(client: aiohttp.ClientSession, url: str, payload: dict, record: RequestRecord,
+async def _stream(client: aiohttp.ClientSession, url: str, payload: dict[str, Any], record: RequestRecord,
                   headers: dict[str, str], clock: Clock) -> None:
     async with client.post(url, json=payload, headers=headers) as resp:
         record.status = resp.status

@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+# Values of one metric: a sequence, or an array of floats (np.asarray takes either).
+Values = Sequence[float] | np.ndarray
 STAT_QUANTILES = {"p50": 0.50, "median": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99}
 DEFAULT_CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 400
@@ -79,7 +81,7 @@ class Interval:
     def bounded(self) -> bool:
         return self.n >= self.n_min and math.isfinite(self.hi)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -87,12 +89,14 @@ def _log_binom_pmf(n: int, q: float) -> np.ndarray:
     k = np.arange(n + 1)
     lg = math.lgamma(n + 1) - np.array([math.lgamma(i + 1) + math.lgamma(n - i + 1) for i in k])
     with np.errstate(divide="ignore"):
-        return lg + k * math.log(q) + (n - k) * math.log1p(-q)
+        log_pmf: np.ndarray = lg + k * math.log(q) + (n - k) * math.log1p(-q)
+    return log_pmf
 
 
 def binom_cdf(n: int, q: float) -> np.ndarray:
     """``P(B <= k)`` for ``k = 0..n``, ``B ~ Binomial(n, q)``, ``0 < q < 1``."""
-    return np.minimum(np.cumsum(np.exp(_log_binom_pmf(n, q))), 1.0)
+    cdf: np.ndarray = np.minimum(np.cumsum(np.exp(_log_binom_pmf(n, q))), 1.0)
+    return cdf
 
 
 def min_sample_size(q: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
@@ -109,7 +113,7 @@ def n_min_for(stat: str, confidence: float = DEFAULT_CONFIDENCE) -> int:
     return 2 if stat == "mean" else 1
 
 
-def autocorrelation_time(series: Sequence[float]) -> float:
+def autocorrelation_time(series: Values) -> float:
     """Integrated autocorrelation time ``tau = 1 + 2 sum_k rho_k`` of a series (any values;
     here 0/1 tail indicators or shares in arrival order), estimated with Geyer's initial
     positive sequence: pairs ``rho_2m + rho_2m+1`` summed while positive, made monotone.
@@ -137,7 +141,7 @@ def autocorrelation_time(series: Sequence[float]) -> float:
     return max(1.0, tau)
 
 
-def effective_sample_size(series: Sequence[float]) -> float:
+def effective_sample_size(series: Values) -> float:
     """``n / tau`` for a series in arrival order, with ``tau`` (``autocorrelation_time``)
     less its noise: for independent series of n = 72..1000 values (0/1 tails at 5-20 %) the
     estimate's 95th percentile is ``1 + (5.4..8) / sqrt(n)`` (measured), so the excess over
@@ -164,7 +168,7 @@ def order_ranks(n: int, q: float, confidence: float = DEFAULT_CONFIDENCE) -> tup
     return lo, min(hi, n + 1)
 
 
-def sample_quantile(values: Sequence[float], q: float) -> float:
+def sample_quantile(values: Values, q: float) -> float:
     """numpy's default (linear) quantile, with ``inf`` values sorted last: a position at or
     beyond the first ``inf`` is ``inf``. ``nan`` for no values."""
     a = np.sort(np.asarray(values, dtype=float))
@@ -196,7 +200,7 @@ def effective_ranks(n: int, n_eff: float, q: float,
     return lo, hi
 
 
-def quantile_interval(values: Sequence[float], q: float, confidence: float = DEFAULT_CONFIDENCE,
+def quantile_interval(values: Values, q: float, confidence: float = DEFAULT_CONFIDENCE,
                       stat: str | None = None, ordered: bool = False) -> Interval:
     """Order-statistic interval of the q-quantile of one value per request. ``ordered``:
     the values are in arrival order, and their tail's autocorrelation deflates the sample
@@ -261,7 +265,7 @@ def _block_bootstrap(arrays: list[np.ndarray], q: float, block: int, resamples: 
     return reps
 
 
-def mean_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE) -> Interval:
+def mean_interval(values: Values, confidence: float = DEFAULT_CONFIDENCE) -> Interval:
     """Normal-approximation interval of the mean (needs n >= 2; ``inf`` values make it ``inf``)."""
     a = np.asarray(values, dtype=float)
     n = int(a.size)
@@ -299,19 +303,36 @@ def stat_interval(stat: str, per_request: Sequence[float] | None = None,
     ``max`` has no interval that a sample can bound; it is the sample maximum itself.
     Raises ValueError for an unknown statistic.
     """
-    if (per_request is None) == (groups is None):
-        raise ValueError("give per_request or groups")
+    if per_request is not None and groups is None:
+        return _per_request_interval(stat, list(per_request), confidence, ordered)
+    if groups is not None and per_request is None:
+        return _pooled_interval(stat, groups, confidence, ordered)
+    raise ValueError("give per_request or groups")
+
+
+def _per_request_interval(stat: str, values: list[float], confidence: float, ordered: bool) -> Interval:
     if stat == "max":
-        vals = list(per_request) if per_request is not None else [v for g in groups for v in g]
-        m = max(vals) if vals else math.nan
-        n = len(per_request) if per_request is not None else sum(1 for g in groups if len(g))
-        return Interval("max", m, m, m if vals else math.inf, n, 1, confidence, "sample-max")
+        m = max(values) if values else math.nan
+        return Interval("max", m, m, m if values else math.inf, len(values), 1, confidence, "sample-max")
     if stat == "mean":
-        vals = list(per_request) if per_request is not None else [v for g in groups for v in g]
-        return mean_interval(vals, confidence)
+        return mean_interval(values, confidence)
+    return quantile_interval(values, _quantile(stat), confidence, stat, ordered=ordered)
+
+
+def _pooled_interval(stat: str, groups: Sequence[Sequence[float]], confidence: float, ordered: bool) -> Interval:
+    pooled = [v for g in groups for v in g]
+    if stat == "max":
+        m = max(pooled) if pooled else math.nan
+        n = sum(1 for g in groups if len(g))
+        return Interval("max", m, m, m if pooled else math.inf, n, 1, confidence, "sample-max")
+    if stat == "mean":
+        return mean_interval(pooled, confidence)
+    return pooled_quantile_interval(groups, _quantile(stat), confidence, stat, ordered=ordered)
+
+
+def _quantile(stat: str) -> float:
+    """The quantile a statistic's name stands for (p95: 0.95). Raises ValueError for
+    another name."""
     if stat not in STAT_QUANTILES:
         raise ValueError(f"unknown statistic {stat!r}")
-    q = STAT_QUANTILES[stat]
-    if per_request is not None:
-        return quantile_interval(per_request, q, confidence, stat, ordered=ordered)
-    return pooled_quantile_interval(groups, q, confidence, stat, ordered=ordered)
+    return STAT_QUANTILES[stat]

@@ -16,16 +16,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from inflight.bench.datasets import RequestSpec
 
 
 def is_follow_up(spec: RequestSpec) -> bool:
     """Whether ``spec`` is a second or later turn of a conversation."""
-    return spec.meta.get("turn", 0) > 0
+    turn: int = spec.meta.get("turn", 0)
+    return turn > 0
 
 
-def _sent_as(spec: RequestSpec, messages: list[dict]) -> RequestSpec:
+def _sent_as(spec: RequestSpec, messages: list[dict[str, Any]]) -> RequestSpec:
     # The client counted only the turn's own message: the length is the server's to report.
     return dataclasses.replace(spec, messages=messages, prompt="\n".join(m["content"] for m in messages),
                                prompt_len=None, exact=False)
@@ -33,7 +35,7 @@ def _sent_as(spec: RequestSpec, messages: list[dict]) -> RequestSpec:
 
 @dataclass
 class _Turn:
-    messages: list[dict] | None = None  # what this turn sent (history + its message); None: not sent
+    messages: list[dict[str, Any]] | None = None  # what this turn sent (history + its message); None: not sent
     done: asyncio.Event = field(default_factory=asyncio.Event)
     answer: str = ""
 
@@ -87,7 +89,7 @@ def with_stand_in_answers(specs: list[RequestSpec]) -> list[RequestSpec]:
     is a stand-in of ``output_len`` words (about that many tokens) that every later turn of
     the conversation repeats, so the prompts grow by shared prefix as in a live replay.
     Specs must be in mix order (a conversation's turns in turn order)."""
-    log: dict[int, list[dict]] = {}
+    log: dict[int, list[dict[str, Any]]] = {}
     out = []
     for spec in specs:
         if "turn" not in spec.meta:

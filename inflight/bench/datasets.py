@@ -28,17 +28,16 @@ exact only when that counter is (server ``/tokenize`` or a local tokenizer).
 from __future__ import annotations
 
 import asyncio
-import csv
-import datetime as dt
 import json
 import os
 import pathlib
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from inflight.bench.prompts import TokenCounter, fit_prompt
+from inflight.bench.prompts import FittedPrompt, TokenCounter, fit_prompt
+from inflight.bench.trace_files import TraceRow, load_trace, scale_length
 
 SONNET_FILE = "vllm_sonnet.txt"
 AZURE_CONV_FILE = "azure_llm_2023_conv_1815-1900.csv"
@@ -60,29 +59,21 @@ class RequestSpec:
     """One request of the mix. Lengths in tokens."""
 
     prompt: str | None  # text for /v1/completions (None for chat-only specs)
-    messages: list[dict] | None  # messages for /v1/chat/completions
+    messages: list[dict[str, Any]] | None  # messages for /v1/chat/completions
     prompt_len: int | None  # tokens as counted by the dataset's counter; None if unknown
     output_len: int  # max_tokens
     ignore_eos: bool
     trace_time: float | None = None  # seconds since the first trace row, unscaled
     exact: bool = False  # prompt_len is the server's exact count
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
-    def as_messages(self) -> list[dict]:
+    def as_messages(self) -> list[dict[str, Any]]:
         return self.messages or [{"role": "user", "content": self.prompt or ""}]
 
     def as_text(self) -> str:
         if self.prompt is not None:
             return self.prompt
         return "\n".join(m["content"] for m in self.messages or [])
-
-
-@dataclass
-class TraceRow:
-    time: float  # seconds since the first row of the file
-    input_len: int
-    output_len: int
-    hash_ids: list[int] | None = None
 
 
 @dataclass
@@ -116,7 +107,7 @@ class DatasetConfig:
     def resolved_data_dir(self) -> pathlib.Path:
         return pathlib.Path(self.data_dir) if self.data_dir else default_data_dir()
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         d = asdict(self)
         d["data_dir"] = str(self.resolved_data_dir())
         d["ignore_eos"] = self.effective_ignore_eos()
@@ -134,54 +125,6 @@ class DatasetConfig:
 def _resolve(name: str, data_dir: pathlib.Path) -> pathlib.Path:
     p = pathlib.Path(name)
     return p if p.is_absolute() or p.exists() else data_dir / p
-
-
-# ---------------------------------------------------------------- trace files
-
-def _parse_azure_time(s: str) -> int:
-    """Azure ``TIMESTAMP`` as integer 100 ns ticks since the epoch (UTC, no timezone given).
-
-    Seven fractional digits do not fit datetime's microseconds, and a float of seconds
-    since 1970 keeps only about 0.2 us: integers keep inter-arrival times exact.
-    """
-    whole, _, frac = s.strip().partition(".")
-    base = dt.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=dt.timezone.utc)
-    return int(base.timestamp()) * 10_000_000 + int((frac + "0000000")[:7])
-
-
-def load_trace(path: str | pathlib.Path, fmt: str = "auto") -> list[TraceRow]:
-    """Rows of an Azure CSV or Mooncake JSONL trace; ``time`` relative to the first row (s)."""
-    path = pathlib.Path(path)
-    if fmt == "auto":
-        with path.open() as f:
-            first = f.readline().lstrip()
-        fmt = "mooncake" if first.startswith("{") else "azure"
-    rows: list[TraceRow] = []
-    if fmt == "azure":
-        with path.open(newline="") as f:
-            raw = [(_parse_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-                   for r in csv.DictReader(f)]
-        t0 = raw[0][0] if raw else 0
-        rows = [TraceRow((t - t0) / 1e7, i, o) for t, i, o in raw]
-    elif fmt == "mooncake":
-        with path.open() as f:
-            for line in f:
-                if line.strip():
-                    o = json.loads(line)
-                    rows.append(TraceRow(o["timestamp"], int(o["input_length"]),
-                                         int(o["output_length"]), list(o.get("hash_ids") or [])))
-        t0 = rows[0].time if rows else 0
-        for r in rows:
-            r.time = (r.time - t0) / 1000.0
-    else:
-        raise ValueError(f"unknown trace format {fmt!r} (azure, mooncake)")
-    return rows
-
-
-def scale_length(n: int, scale: float, lo: int, hi: int | None) -> int:
-    """``round(n * scale)`` clipped to ``[lo, hi]`` (tokens)."""
-    v = max(lo, int(round(n * scale)))
-    return min(v, hi) if hi is not None else v
 
 
 # ---------------------------------------------------------------- text sources
@@ -213,7 +156,7 @@ def _random_words(vocab: Sequence[str], rng: np.random.Generator, n_words: int) 
 
 # ---------------------------------------------------------------- builders
 
-async def _fit_all(counter: TokenCounter, jobs: list[tuple[list[str], int, str]]):
+async def _fit_all(counter: TokenCounter, jobs: list[tuple[list[str], int, str]]) -> list[FittedPrompt]:
     return await asyncio.gather(*(fit_prompt(counter, w, t, prefix=p) for w, t, p in jobs))
 
 
@@ -326,7 +269,7 @@ async def build_trace(cfg: DatasetConfig, counter: TokenCounter, n: int, start: 
 
 
 async def _block_prompt(counter: TokenCounter, blocks: _BlockTexts, hash_ids: list[int],
-                        in_len: int, block_tokens: int):
+                        in_len: int, block_tokens: int) -> FittedPrompt:
     full = min(len(hash_ids), in_len // block_tokens)
     while True:
         prefix = "\n".join(" ".join(blocks.words(h)) for h in hash_ids[:full])
@@ -339,7 +282,7 @@ async def _block_prompt(counter: TokenCounter, blocks: _BlockTexts, hash_ids: li
     return await fit_prompt(counter, blocks.words(tail_id, in_len + 16), in_len, prefix=prefix)
 
 
-def _load_chat(cfg: DatasetConfig) -> list[dict]:
+def _load_chat(cfg: DatasetConfig) -> list[dict[str, Any]]:
     name = CHAT_FILES.get(cfg.chat_file, cfg.chat_file)
     path = _resolve(name, cfg.resolved_data_dir())
     with open(path, encoding="utf-8") as f:
@@ -371,7 +314,7 @@ async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int, start: i
     return specs
 
 
-def _user_turns(q: dict) -> list[str]:
+def _user_turns(q: dict[str, Any]) -> list[str]:
     """A chat file line's user turns: MT-Bench's ``turns``, or vLLM's custom JSONL ``prompt``."""
     return q["turns"] if "turns" in q else [q["prompt"]]
 
@@ -413,9 +356,9 @@ def trace_length(cfg: DatasetConfig) -> int | None:
     return max(0, len(load_trace(cfg.trace_path(), cfg.trace_format)) - cfg.trace_skip)
 
 
-def summarize_specs(specs: Sequence[RequestSpec]) -> dict:
+def summarize_specs(specs: Sequence[RequestSpec]) -> dict[str, Any]:
     """Prompt and output length statistics (tokens) of a mix, for the result's fixed part."""
-    def stats(vals):
+    def stats(vals: Sequence[float]) -> dict[str, float] | None:
         if not vals:
             return None
         a = np.asarray(vals, dtype=float)

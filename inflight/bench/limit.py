@@ -15,14 +15,16 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, TextIO
 
 import numpy as np
 
 from inflight.bench import capacity as cap
+from inflight.bench.limit_doc import best_point, crossings, lost_because
+from inflight.bench.queue_trend import in_flight_at
 from inflight.bench.session import ArrivalConfig, PointResult, Session, run_point
 from inflight.bench.summary import SLO
-from inflight.bench.sustain import Thresholds, evidence_lines, in_flight_at
+from inflight.bench.sustain import Thresholds, evidence_lines
 
 
 @dataclass
@@ -53,7 +55,7 @@ class SearchSpace:
         times while undecided. ``held``: a window ``hold_duration`` long, judged at each of
         ``hold_looks`` equal parts (it ends early only on a conclusive failure), warm-up and
         drain as the search's."""
-        extra: dict = {"max_extensions": self.max_extensions}
+        extra: dict[str, Any] = {"max_extensions": self.max_extensions}
         if held:
             warm, drain = base.phases()
             assert self.hold_duration is not None
@@ -63,8 +65,11 @@ class SearchSpace:
             if base.duration and base.min_requests:
                 # The sample grows with the window: a hold of 5 windows counts >= 5x the requests.
                 extra["min_requests"] = math.ceil(base.min_requests * part / base.duration)
-        return replace(base, seed=base.seed + repeat, **extra,
-                       **({"time_scale": 1 / load} if self.by_scale else {"rate": load}))
+        if self.by_scale:
+            extra["time_scale"] = 1 / load
+        else:
+            extra["rate"] = load
+        return replace(base, seed=base.seed + repeat, **extra)
 
 
 @dataclass
@@ -79,9 +84,9 @@ class Prediction:
     usable: bool
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    details: dict = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"limit": self.limit, "failed_above": self.failed_above, "usable": self.usable,
                 "notes": self.notes, "seconds": self.seconds, **self.details}
 
@@ -103,27 +108,27 @@ class LimitResult:
     limits: list[float | None]  # per repeat
     failed_above: list[float | None]  # per repeat: the lowest failing load above the limit
     bounded: bool
-    curve: list[dict] = field(default_factory=list)  # every point, with repeat, x and held
-    fixed: dict = field(default_factory=dict)
+    curve: list[dict[str, Any]] = field(default_factory=list)  # every point, with repeat, x and held
+    fixed: dict[str, Any] = field(default_factory=dict)
     command: str | None = None
     held: bool = False  # limits are loads that held for SearchSpace.hold_duration
     prediction: Prediction | None = None
-    targets: dict = field(default_factory=dict)  # SLO key -> target (s), for the crossings
+    targets: dict[str, float] = field(default_factory=dict)  # SLO key -> target (s), for the crossings
 
     @property
-    def spread(self) -> dict:
+    def spread(self) -> dict[str, Any]:
         return cap.spread(self.limits)
 
     @property
-    def best_point(self) -> dict | None:
-        """The point that set the highest limit (see :func:`best_point`)."""
+    def best_point(self) -> dict[str, Any] | None:
+        """The point that set the highest limit (see :func:`limit_doc.best_point`)."""
         return best_point(self.to_json())
 
     def lost_because(self) -> list[str]:
-        """Why loads above the limit failed (see :func:`lost_because`)."""
+        """Why loads above the limit failed (see :func:`limit_doc.lost_because`)."""
         return lost_because(self.to_json())
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"value": self.label, "command": self.command, "limits": self.limits,
                 "failed_above": self.failed_above, "spread": self.spread, "bounded": self.bounded,
                 "held": self.held, "fixed": self.fixed, "curve": self.curve,
@@ -131,70 +136,17 @@ class LimitResult:
                 "prediction": None if self.prediction is None else self.prediction.to_json()}
 
 
-def crossings(curve: list[dict], targets: dict[str, float]) -> dict[str, dict]:
-    """Where each SLO statistic's estimate crosses its target along the search points (all
-    repeats, holds left out, by load): between the highest load whose estimate is within
-    the target and the next load measured above it, interpolated with the logarithm of the
-    estimate linear in load (latency grows about exponentially toward saturation). An
-    infinite estimate above puts the crossing at the pair's geometric mean. ``load`` is
-    None where the curve never crosses (``below`` or ``above`` the target at every load)."""
-    pts = sorted((p for p in curve if not p.get("held")), key=lambda p: p["load"])
-    out: dict[str, dict] = {}
-    for key, target in targets.items():
-        est = [(p["load"], p["x"], ((p.get("evidence") or {}).get("slo") or {}).get(key, {}).get("estimate"))
-               for p in pts]
-        est = [e for e in est if e[2] is not None]
-        under = [i for i, e in enumerate(est) if e[2] <= target]
-        if not est:
-            continue
-        if not under:
-            out[key] = {"load": None, "x": None, "where": "above the target at every load measured"}
-            continue
-        i = max(under)
-        if i == len(est) - 1:
-            out[key] = {"load": None, "x": None, "where": "within the target at every load measured"}
-            continue
-        (la, xa, ea), (lb, xb, eb) = est[i], est[i + 1]
-        if math.isinf(eb) or ea <= 0:
-            load = math.sqrt(la * lb)
-        else:
-            f = (math.log(target) - math.log(ea)) / max(math.log(eb) - math.log(ea), 1e-12)
-            load = la + min(max(f, 0.0), 1.0) * (lb - la)
-        x = 1 / load if xa != la else load  # a time scale where the search runs over 1 / scale
-        out[key] = {"load": load, "x": x, "between": [xa, xb], "target": target}
-    return out
-
-
-def best_point(result: dict) -> dict | None:
-    """The point that set the highest limit of a ``LimitResult.to_json()`` (or its saved
-    JSON): the highest passing load, among the holds where the limit was held. Its p95s
-    and timeline are the figures at the limit."""
-    held = result.get("held", False)
-    passing = [p for p in result["curve"] if p["passed"] and p.get("held", False) == held]
-    return max(passing, key=lambda p: p["load"], default=None)
-
-
-def lost_because(result: dict) -> list[str]:
-    """Why loads above the limit failed: the verdict causes at each repeat's first failing
-    load above its limit (search point or hold), in order of first appearance."""
-    causes: list[str] = []
-    for rep, above in enumerate(result["failed_above"]):
-        for p in result["curve"]:
-            if p["repeat"] == rep and not p["passed"] and above is not None and p["x"] == above:
-                causes += [c for c in p["evidence"].get("causes", []) if c not in causes]
-    return causes
-
-
 class PointCache(Protocol):
     """Saved points of one configuration, by repeat, load and kind (``bench tune``'s state)."""
 
-    fixed: dict | None  # the session's fixed conditions, saved with the first point
+    fixed: dict[str, Any] | None  # the session's fixed conditions, saved with the first point
 
-    def get(self, repeat: int, load: float, held: bool = False) -> dict | None: ...
-    def put(self, repeat: int, load: float, point: dict, fixed: dict, held: bool = False) -> None: ...
+    def get(self, repeat: int, load: float, held: bool = False) -> dict[str, Any] | None: ...
+    def put(self, repeat: int, load: float, point: dict[str, Any], fixed: dict[str, Any],
+            held: bool = False) -> None: ...
 
 
-def timeline(point: PointResult, samples: int = 400) -> dict:
+def timeline(point: PointResult, samples: int = 400) -> dict[str, Any]:
     """The point's in-flight count (client side, at ``samples`` times) and scraped gauges."""
     end = max((r.end_time for r in point.records), default=0.0)
     step = max(end / samples, 0.01)
@@ -212,7 +164,7 @@ Connect = Callable[[], Awaitable[Session]]
 
 async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: SearchSpace,
                      thresholds: Thresholds, label: str | None = None, cache: PointCache | None = None,
-                     hold: bool = True, log=None, predictor: Predictor | None = None) -> LimitResult:
+                     hold: bool = True, log: TextIO | None = None, predictor: Predictor | None = None) -> LimitResult:
     """Search ``space.repeats`` times for the highest sustained load, each search's limit
     then held for ``space.hold_duration`` s (unless ``hold`` is False or it is unset; see
     ``capacity``). ``connect`` returns the session (starting the server where needed); it is
@@ -222,74 +174,108 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
     its second point goes where the prediction refined by the first point says
     (``capacity.search``'s ``advise``).
     """
-    log = log or sys.stderr
-    session: Session | None = None
-    fixed: dict = {}
-
-    def measure_with(rep: int, held: bool):
-        async def measure(load: float) -> cap.PointOutcome:
-            nonlocal session, fixed
-            hit = cache.get(rep, load, held) if cache is not None else None
-            if hit is not None:
-                outcome = cap.PointOutcome.from_json(hit)
-                _print_point(log, space, load, outcome, cached=True, held=held)
-                return outcome
-            if session is None:
-                session = await connect()
-            point = await run_point(session, space.arrival(base, load, rep, held), slo, thresholds)
-            fixed = session.fixed()  # after the point: the mix may have grown for it
-            verdict = point.verdict(slo, thresholds)
-            outcome = cap.PointOutcome(load, verdict.passed, verdict.reasons, point.summary, verdict.evidence,
-                                       timeline(point))
-            if cache is not None:
-                cache.put(rep, load, outcome.to_json(), fixed, held)
-            _print_point(log, space, load, outcome, held=held)
-            return outcome
-        return measure
-
-    prediction: Prediction | None = None
-    refined: list[Prediction] = []
-    start, step = min(max(space.start, space.lo), space.hi), 2.0
-    if predictor is not None:
-        if session is None:
-            session = await connect()
-        prediction = await predictor.predict(session)
-        _print_prediction(log, space, prediction)
-        if prediction.usable and prediction.limit is not None:
-            start, step = min(max(prediction.limit, space.lo), space.hi), 1 + space.tolerance
-            note = long_window_note(space, base, start)
-            if note:
-                print(f"  {note}", file=log)
-
-    async def advise() -> float | None:
-        if predictor is None or prediction is None or not prediction.usable or session is None:
-            return None
-        again = await predictor.refine(session)
-        refined.append(again)
-        _print_prediction(log, space, again, refined=True)
-        return again.limit if again.usable else None
+    run = _LimitRun(connect, base, slo, space, thresholds, cache, log or sys.stderr, predictor)
+    start, step = await run.start()
     holding = hold and bool(space.hold_duration)
-    limits, above, curve, bounded = [], [], [], True
+    limits: list[float | None] = []
+    above: list[float | None] = []
+    curve: list[dict[str, Any]] = []
+    bounded = True
     for rep in range(space.repeats):
-        res = await cap.search(measure_with(rep, False), start, space.lo, space.hi, space.tolerance,
-                               space.max_points, step, advise if rep == 0 else None)
+        res = await cap.search(run.measure(rep, held=False), start, space.lo, space.hi, space.tolerance,
+                               space.max_points, step, run.advise if rep == 0 else None)
         limit, first_fail = res.limit, res.failed_above
         bounded &= res.bounded
-        curve += [{**p.to_json(), "repeat": rep, "x": space.x(p.load), "held": False} for p in res.points]
+        curve += run.curve_points(res.points, rep, held=False)
         if holding:
-            held = await cap.hold(res, measure_with(rep, True), space.tolerance, space.lo, space.max_holds)
-            curve += [{**p.to_json(), "repeat": rep, "x": space.x(p.load), "held": True} for p in held.holds]
+            held = await cap.hold(res, run.measure(rep, held=True), space.tolerance, space.lo, space.max_holds)
+            curve += run.curve_points(held.holds, rep, held=True)
             limit = held.limit
             fails = [x for x in (first_fail, held.failed_above) if x is not None]
             first_fail = min(fails) if fails else None
         limits.append(space.x(limit))
         above.append(space.x(first_fail))
+    fixed = run.fixed
     if not fixed and cache is not None:
         fixed = cache.fixed or {}
-    if prediction is not None and refined:
-        prediction.details["refined"] = [r.to_json() for r in refined]
-    return LimitResult(label, limits, above, bounded, curve, fixed, held=holding, prediction=prediction,
+    if run.prediction is not None and run.refined:
+        run.prediction.details["refined"] = [r.to_json() for r in run.refined]
+    return LimitResult(label, limits, above, bounded, curve, fixed, held=holding, prediction=run.prediction,
                        targets={f"{m}_{st}": t for (m, st), t in slo.aggregate.items()})
+
+
+class _LimitRun:
+    """What the searches of one ``find_limit`` share: the session (opened at the first
+    point measured), its fixed conditions, the cache, and the prediction with its
+    refinements."""
+
+    def __init__(self, connect: Connect, base: ArrivalConfig, slo: SLO, space: SearchSpace,
+                 thresholds: Thresholds, cache: PointCache | None, log: TextIO, predictor: Predictor | None):
+        self.connect, self.base, self.slo, self.space = connect, base, slo, space
+        self.thresholds, self.cache, self.log, self.predictor = thresholds, cache, log, predictor
+        self.session: Session | None = None
+        self.fixed: dict[str, Any] = {}
+        self.prediction: Prediction | None = None
+        self.refined: list[Prediction] = []
+
+    async def connected(self) -> Session:
+        if self.session is None:
+            self.session = await self.connect()
+        return self.session
+
+    async def start(self) -> tuple[float, float]:
+        """Where each search starts and its first step's factor: ``space.start`` by doubling,
+        or the usable prediction by ``1 + tolerance``."""
+        space = self.space
+        start, step = min(max(space.start, space.lo), space.hi), 2.0
+        if self.predictor is None:
+            return start, step
+        self.prediction = await self.predictor.predict(await self.connected())
+        _print_prediction(self.log, space, self.prediction)
+        if self.prediction.usable and self.prediction.limit is not None:
+            start, step = min(max(self.prediction.limit, space.lo), space.hi), 1 + space.tolerance
+            note = long_window_note(space, self.base, start)
+            if note:
+                print(f"  {note}", file=self.log)
+        return start, step
+
+    async def advise(self) -> float | None:
+        """The prediction refined with the first point's steps (``capacity.search``'s advice)."""
+        pred = self.prediction
+        if self.predictor is None or pred is None or not pred.usable or self.session is None:
+            return None
+        again = await self.predictor.refine(self.session)
+        self.refined.append(again)
+        _print_prediction(self.log, self.space, again, refined=True)
+        return again.limit if again.usable else None
+
+    def measure(self, rep: int, held: bool) -> cap.Measure:
+        """The measure of repeat ``rep``'s search points (``held``: its holds)."""
+        async def measure(load: float) -> cap.PointOutcome:
+            return await self._point(rep, held, load)
+        return measure
+
+    async def _point(self, rep: int, held: bool, load: float) -> cap.PointOutcome:
+        """One point: replayed from the cache, else measured (and cached)."""
+        hit = self.cache.get(rep, load, held) if self.cache is not None else None
+        if hit is not None:
+            outcome = cap.PointOutcome.from_json(hit)
+            _print_point(self.log, self.space, load, outcome, cached=True, held=held)
+            return outcome
+        session = await self.connected()
+        point = await run_point(session, self.space.arrival(self.base, load, rep, held), self.slo, self.thresholds)
+        self.fixed = session.fixed()  # after the point: the mix may have grown for it
+        verdict = point.verdict(self.slo, self.thresholds)
+        outcome = cap.PointOutcome(load, verdict.passed, verdict.reasons, point.summary, verdict.evidence,
+                                   timeline(point))
+        if self.cache is not None:
+            self.cache.put(rep, load, outcome.to_json(), self.fixed, held)
+        _print_point(self.log, self.space, load, outcome, held=held)
+        return outcome
+
+    def curve_points(self, points: list[cap.PointOutcome], rep: int, held: bool) -> list[dict[str, Any]]:
+        """``points`` as the result's curve keeps them: with repeat, load as set, and kind."""
+        return [{**p.to_json(), "repeat": rep, "x": self.space.x(p.load), "held": held} for p in points]
 
 
 def long_window_note(space: SearchSpace, base: ArrivalConfig, load: float) -> str | None:
@@ -305,7 +291,7 @@ def long_window_note(space: SearchSpace, base: ArrivalConfig, load: float) -> st
             f"(--duration {base.duration:g} s): each point, and each extension, takes that long")
 
 
-def _print_prediction(log, space: SearchSpace, p: Prediction, refined: bool = False) -> None:
+def _print_prediction(log: TextIO, space: SearchSpace, p: Prediction, refined: bool = False) -> None:
     unit = "time scale" if space.by_scale else "req/s"
     if p.limit is None:
         head = "no load met the SLO in the simulation"
@@ -323,7 +309,7 @@ def _print_prediction(log, space: SearchSpace, p: Prediction, refined: bool = Fa
     log.flush()
 
 
-def _print_point(log, space: SearchSpace, load: float, p: cap.PointOutcome, cached: bool = False,
+def _print_point(log: TextIO, space: SearchSpace, load: float, p: cap.PointOutcome, cached: bool = False,
                  held: bool = False) -> None:
     verdict = "pass" if p.passed else "FAIL: " + "; ".join(p.reasons)
     what = f"hold {space.hold_duration:g} s at " if held else ""
@@ -340,7 +326,7 @@ def _print_point(log, space: SearchSpace, load: float, p: cap.PointOutcome, cach
     log.flush()
 
 
-def p95_line(summary: dict) -> str:
+def p95_line(summary: dict[str, Any]) -> str:
     """The point's measured p95s (completed requests) and throughput, printed on every point,
     pass or fail."""
     def ms(metric: str) -> str:

@@ -13,7 +13,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def _cpu_model() -> str | None:
@@ -54,7 +54,7 @@ def cpu_ticks() -> dict[str, int] | None:
     return dict(zip(_STAT_FIELDS, map(int, head[1:1 + len(_STAT_FIELDS)])))
 
 
-def cpu_shares(start: dict | None, end: dict | None) -> dict[str, float] | None:
+def cpu_shares(start: dict[str, Any] | None, end: dict[str, Any] | None) -> dict[str, float] | None:
     """Fractions of all cores' time between two :func:`describe_machine` snapshots: ``busy``
     (not idle, iowait or stolen), ``idle`` and ``steal`` (taken by the hypervisor). None when
     either snapshot lacks ``cpu_ticks`` or no time passed."""
@@ -70,7 +70,7 @@ def cpu_shares(start: dict | None, end: dict | None) -> dict[str, float] | None:
             "steal": round(d["steal"] / total, 4)}
 
 
-def describe_machine() -> dict:
+def describe_machine() -> dict[str, Any]:
     """CPU model, logical cores, memory (GiB), OS, Python, 1/5/15-minute load averages, time,
     and ``cpu_ticks`` (for :func:`cpu_shares` between two snapshots)."""
     try:
@@ -137,7 +137,7 @@ class HostLoad:
         return (f"other processes {self.others_cores:.2f} of {self.cores} cores, stolen {self.steal:.0%} "
                 f"(over {self.seconds:.0f} s)")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"seconds": round(self.seconds, 2), "cores": self.cores, "others_cores": round(self.others_cores, 3),
                 "steal": round(self.steal, 4), "busy": round(self.busy, 4), "is_busy": self.is_busy()}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,7 +79,7 @@ class Scraper:
         self._timeout = timeout
         self.available: bool | None = None  # unknown until the first scrape
         self.why_not: str | None = None  # why the scrape that turned it off failed ("HTTP 501")
-        self.samples: list[dict] = []
+        self.samples: list[dict[str, Any]] = []
 
     async def scrape(self) -> Snapshot | None:
         if self.available is False:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import aiohttp
 
@@ -60,7 +60,7 @@ class LocalCounter:
     mode = "local"
     exact = True
 
-    def __init__(self, tokenizer, source: str) -> None:
+    def __init__(self, tokenizer: Any, source: str) -> None:  # a transformers tokenizer
         self._tokenizer = tokenizer
         self.source = source
 
@@ -94,10 +94,10 @@ class ServerCounter:
         # Tokenizing runs before the timed run but still shares the server; keep it polite.
         self._sem = asyncio.Semaphore(max_parallel)
 
-    def _body(self, text: str) -> dict:
+    def _body(self, text: str) -> dict[str, Any]:
         if self.shape == "llama.cpp":
             return {"content": text, "add_special": True}
-        body: dict = {"prompt": text}
+        body: dict[str, Any] = {"prompt": text}
         if self._model:
             body["model"] = self._model
         return body
@@ -114,8 +114,9 @@ class ServerCounter:
         if status != 200:
             raise TokenizeError(f"HTTP {status}", status)
         if isinstance(data, dict):
-            if isinstance(data.get("count"), int):
-                return data["count"]
+            count = data.get("count")
+            if isinstance(count, int):
+                return count
             if isinstance(data.get("tokens"), list):
                 return len(data["tokens"])
         raise TokenizeError(f"answered {str(data)[:80]!r}, not a count", status)
@@ -251,8 +252,8 @@ async def fit_prompt(counter: TokenCounter, words: Sequence[str], target: int,
     return await _pad(counter, text, n, target, max_counts - calls, done)
 
 
-async def _pad(counter: TokenCounter, text: str, n: int, target: int, budget: int, done
-               ) -> FittedPrompt:
+async def _pad(counter: TokenCounter, text: str, n: int, target: int, budget: int,
+               done: Callable[[str, int], FittedPrompt]) -> FittedPrompt:
     best_text, best_n = text, n
     m = target - n
     tries = 0

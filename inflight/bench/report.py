@@ -1,9 +1,4 @@
-"""Reports: the terminal summary, JSON/CSV files and PNG plots.
-
-Plots draw on ``matplotlib.figure.Figure`` with the Agg canvas directly, never pyplot, so
-they need no display and do not change a global backend that another part of the
-process may have chosen.
-"""
+"""Reports: the terminal summary, JSON/CSV files and PNG plots (drawn as ``figures`` says)."""
 
 from __future__ import annotations
 
@@ -11,16 +6,17 @@ import csv
 import json
 import math
 import pathlib
-from typing import Sequence
+from typing import Any, Sequence
 
 from inflight.bench.client import RequestRecord
+from inflight.bench.figures import figure, legend, plottable, save
 from inflight.bench.summary import SLO, concurrency_timeline, request_metrics
 
 _LAT_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
 _LAT_COLS = ("mean", "median", "p90", "p95", "p99")
 
 
-def _fmt(v, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+def _fmt(v: float | None, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
     if isinstance(v, int) and scale == 1.0:
@@ -41,7 +37,7 @@ def prefix_hit_rate(counters: dict[str, float]) -> float | None:
     return hits / queries
 
 
-def format_summary(summary: dict, title: str = "inflight bench serve") -> str:
+def format_summary(summary: dict[str, Any], title: str = "inflight bench serve") -> str:
     """The run summary as a fixed-width table (latencies in ms)."""
     lines = [f"{'=' * 16} {title} {'=' * 16}"]
     rows = [
@@ -80,17 +76,18 @@ def format_summary(summary: dict, title: str = "inflight bench serve") -> str:
     return "\n".join(lines)
 
 
-def _json_default(o):
+def _json_default(o: object) -> Any:
     if isinstance(o, float) and not math.isfinite(o):
         return str(o)
     if isinstance(o, pathlib.Path):
         return str(o)
-    if hasattr(o, "tolist"):
-        return o.tolist()
+    tolist = getattr(o, "tolist", None)  # numpy arrays and scalars
+    if tolist is not None:
+        return tolist()
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-def _clean(o):
+def _clean(o: Any) -> Any:
     # json.dump writes inf/nan as bare tokens other parsers reject; make them strings.
     if isinstance(o, float) and not math.isfinite(o):
         return str(o)
@@ -101,13 +98,13 @@ def _clean(o):
     return o
 
 
-def write_json(path: str | pathlib.Path, obj: dict) -> None:
+def write_json(path: str | pathlib.Path, obj: dict[str, Any]) -> None:
     p = pathlib.Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(_clean(obj), indent=1, default=_json_default) + "\n")
 
 
-def write_csv(path: str | pathlib.Path, rows: Sequence[dict]) -> None:
+def write_csv(path: str | pathlib.Path, rows: Sequence[dict[str, Any]]) -> None:
     p = pathlib.Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     keys: list[str] = []
@@ -120,7 +117,7 @@ def write_csv(path: str | pathlib.Path, rows: Sequence[dict]) -> None:
             w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
 
 
-def point_row(summary: dict, **extra) -> dict:
+def point_row(summary: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """A flat row (for sweep CSV/plots): throughputs and latency percentiles in seconds."""
     row = dict(extra)
     for k in ("completed", "failed", "duration", "request_throughput", "output_throughput",
@@ -132,61 +129,48 @@ def point_row(summary: dict, **extra) -> dict:
     return row
 
 
-def _figure(nrows: int, height: float = 3.2):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(9, height * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig, fig.subplots(nrows, 1, squeeze=False)[:, 0]
-
-
-def _save(fig, path: str | pathlib.Path) -> None:
-    p = pathlib.Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-
-
-def plot_run(path: str | pathlib.Path, records: Sequence[RequestRecord], samples: Sequence[dict],
+def plot_run(path: str | pathlib.Path, records: Sequence[RequestRecord], samples: Sequence[dict[str, Any]],
              title: str = "") -> None:
     """Latency over time (TTFT, E2E per request by send time) and load over time
     (client-side requests in flight; server waiting/running and KV usage when scraped)."""
-    fig, (ax1, ax2) = _figure(2)
+    fig, (ax1, ax2) = figure(2)
     ok = [(r, request_metrics(r)) for r in records if r.success and not r.warmup]
     xs = [r.send_time for r, _ in ok]
-    ax1.scatter(xs, [m.ttft for _, m in ok], s=8, label="TTFT")
-    ax1.scatter(xs, [m.e2e for _, m in ok], s=8, label="E2E", alpha=0.6)
+    ax1.scatter(xs, plottable(m.ttft for _, m in ok), s=8, label="TTFT")
+    ax1.scatter(xs, plottable(m.e2e for _, m in ok), s=8, label="E2E", alpha=0.6)
     bad = [r.send_time for r in records if not r.success and not r.warmup]
     if bad:
         ax1.scatter(bad, [0] * len(bad), marker="x", color="red", label="failed")
     ax1.set_xlabel("send time (s)")
     ax1.set_ylabel("latency (s)")
     ax1.set_title(title or "latency by request")
-    _legend(ax1)
+    legend(ax1)
     tl = concurrency_timeline([r for r in records if not r.warmup])
     if tl:
         ax2.step([t for t, _ in tl], [n for _, n in tl], where="post", label="in flight (client)")
     ts = [s["t"] for s in samples]
     for key in ("running", "waiting"):
         if any(s.get(key) is not None for s in samples):
-            ax2.step(ts, [s.get(key) for s in samples], where="post", label=f"{key} (server)")
+            ax2.step(ts, plottable(s.get(key) for s in samples), where="post", label=f"{key} (server)")
     ax2.set_xlabel("time (s)")
     ax2.set_ylabel("requests")
     if any(s.get("kv_cache_usage") is not None for s in samples):
         ax3 = ax2.twinx()
-        ax3.step(ts, [s.get("kv_cache_usage") for s in samples], where="post", color="gray", ls="--",
+        ax3.step(ts, plottable(s.get("kv_cache_usage") for s in samples), where="post", color="gray", ls="--",
                  label="KV usage")
         ax3.set_ylabel("KV cache usage (fraction)")
         ax3.set_ylim(0, 1.05)
-        _legend(ax3, "upper right")
-    _legend(ax2)
-    _save(fig, path)
+        legend(ax3, "upper right")
+    legend(ax2)
+    save(fig, path)
 
 
-def plot_sweep(path: str | pathlib.Path, rows: Sequence[dict], slo: SLO, series_key: str = "value") -> None:
+def plot_sweep(path: str | pathlib.Path, rows: Sequence[dict[str, Any]], slo: SLO,
+               series_key: str = "value") -> None:
     """Throughput vs rate, p95 TTFT vs rate and p95 ITL vs rate (one line per knob value),
     with the SLO targets drawn as horizontal lines."""
-    fig, axes = _figure(3, height=2.8)
-    groups: dict = {}
+    fig, axes = figure(3, height=2.8)
+    groups: dict[Any, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(r.get(series_key), []).append(r)
     for value, rs in groups.items():
@@ -205,18 +189,18 @@ def plot_sweep(path: str | pathlib.Path, rows: Sequence[dict], slo: SLO, series_
             ax.axhline(target, color="red", ls="--", label=f"SLO {target * 1000:g} ms")
     for ax in axes:
         ax.set_xlabel("request rate (req/s)")
-        _legend(ax)
-    _save(fig, path)
+        legend(ax)
+    save(fig, path)
 
 
-def _rate_x(rate) -> float:
+def _rate_x(rate: float | str | None) -> float:
     # rate=inf has no place on a rate axis: its row stays in the CSV but not on the plot.
     return float(rate) if rate not in (None, "inf") and math.isfinite(float(rate)) else math.nan
 
 
-def plot_capacity(path: str | pathlib.Path, points: Sequence[dict], slo: SLO, load_label: str) -> None:
+def plot_capacity(path: str | pathlib.Path, points: Sequence[dict[str, Any]], slo: SLO, load_label: str) -> None:
     """p95 TTFT and p95 ITL against load for every measured point, passes and fails marked."""
-    fig, axes = _figure(2, height=3.0)
+    fig, axes = figure(2, height=3.0)
     for ax, metric in ((axes[0], "ttft"), (axes[1], "itl")):
         for passed, marker, color in ((True, "o", "tab:green"), (False, "x", "tab:red")):
             pts = [p for p in points if p["passed"] == passed]
@@ -231,15 +215,10 @@ def plot_capacity(path: str | pathlib.Path, points: Sequence[dict], slo: SLO, lo
             ax.set_xscale("log")
         ax.set_xlabel(load_label)
         ax.set_ylabel(f"p95 {metric.upper()} (s)")
-        _legend(ax)
-    _save(fig, path)
+        legend(ax)
+    save(fig, path)
 
 
-def _num(v) -> float:
+def _num(v: float | None) -> float:
     # A point where nothing completed has no p95; NaN leaves it off the axis instead of failing.
     return math.nan if v is None else float(v)
-
-
-def _legend(ax, loc: str = "upper left") -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc=loc)

@@ -57,7 +57,7 @@ class ServerProcess:
             fd, log_path = tempfile.mkstemp(prefix="inflight-bench-server-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     async def _healthy(self, client: aiohttp.ClientSession) -> bool:
         try:
@@ -125,5 +125,5 @@ class ServerProcess:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.stop()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ def describe(values: Sequence[float]) -> dict[str, float | None]:
         return {k: None for k in STAT_NAMES}
     a = np.asarray(values, dtype=float)
     return {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
-            "p90": percentile(a, 90), "p95": percentile(a, 95), "p99": percentile(a, 99),
+            "p90": percentile(values, 90), "p95": percentile(values, 95), "p99": percentile(values, 99),
             "min": float(a.min()), "max": float(a.max())}
 
 
@@ -84,7 +84,7 @@ class SLO:
     def __bool__(self) -> bool:
         return bool(self.per_request or self.aggregate)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, float]:
         d = dict(self.per_request)
         d.update({f"{m}_{s}": v for (m, s), v in self.aggregate.items()})
         return d
@@ -151,7 +151,7 @@ def meets_slo(m: RequestMetrics, per_request: dict[str, float]) -> bool:
     return True
 
 
-def check_aggregate(summary: dict, aggregate: dict[tuple[str, str], float]) -> list[str]:
+def check_aggregate(summary: dict[str, Any], aggregate: dict[tuple[str, str], float]) -> list[str]:
     """Violations of aggregate SLOs in ``summary`` as readable strings (empty: all hold)."""
     bad = []
     for (metric, stat), target in aggregate.items():
@@ -185,7 +185,7 @@ def peak_concurrency(records: Iterable[RequestRecord]) -> int:
     return max((n for _, n in concurrency_timeline(records)), default=0)
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict:
+def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict[str, Any]:
     """Aggregates over counted (non-warm-up) requests. Times in s, rates per s.
 
     Failed requests count toward duration and ``failed`` but not toward latencies,
@@ -207,7 +207,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict:
     def rate(x: float) -> float | None:
         return x / duration if duration > 0 else None
 
-    summary = {
+    summary: dict[str, Any] = {
         "completed": len(ok),
         "failed": len(counted) - len(ok),  # unfinished ones included
         "unfinished": sum(1 for r in counted if r.unfinished),

@@ -61,12 +61,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
-
-import numpy as np
+from typing import Any, Sequence
 
 from inflight.bench.client import RequestRecord
-from inflight.bench.confidence import DEFAULT_CONFIDENCE, n_min_for, stat_interval
+from inflight.bench.censoring import slo_intervals
+from inflight.bench.confidence import DEFAULT_CONFIDENCE, n_min_for
+from inflight.bench.queue_trend import gauge_growth, queue_growth, server_queue_slope
 from inflight.bench.summary import SLO
 
 DEFAULT_PREEMPTION_THRESHOLD = 1.0  # preemptions per completed request
@@ -128,127 +128,22 @@ class Verdict:
 
     passed: bool
     reasons: list[str] = field(default_factory=list)  # why it failed; empty on pass
-    evidence: dict = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
     state: str = ""
 
     def __post_init__(self) -> None:
         if not self.state:
             self.state = PASS if self.passed else FAIL
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"passed": self.passed, "state": self.state, "reasons": self.reasons,
                 "evidence": self.evidence}
-
-
-# ---------------------------------------------------------------- in-flight counts
-
-def in_flight_at(records: Sequence[RequestRecord], times: np.ndarray) -> np.ndarray:
-    """Requests scheduled (arrived) and not yet ended at each of ``times`` (s).
-
-    Counted from ``scheduled_time``, not ``send_time``: a request held back by a client-side
-    concurrency cap is already waiting, as it would be in any queue.
-    """
-    starts = np.sort(np.asarray([r.scheduled_time for r in records], dtype=float))
-    ends = np.sort(np.asarray([r.end_time for r in records], dtype=float))
-    return (np.searchsorted(starts, times, side="right") - np.searchsorted(ends, times, side="right")).astype(float)
-
-
-def queue_growth(records: Sequence[RequestRecord], t0: float, t1: float, step: float | None = None) -> dict:
-    """Least-squares slope (requests/s) of the in-flight count sampled on [t0, t1], the
-    growth it implies over the span (requests), that growth's standard error (requests,
-    autocorrelation-corrected, see the module doc), the count's standard deviation about
-    the fitted line and its mean."""
-    span = max(t1 - t0, 1e-9)
-    step = step or min(0.1, span / 200)
-    ts = np.arange(t0, t1 + 1e-12, step)
-    return trend(ts, in_flight_at(records, ts) if ts.size else np.zeros(0), t0, t1)
-
-
-def gauge_growth(samples: Sequence[dict], t0: float, t1: float, min_samples: int = 10) -> dict | None:
-    """:func:`trend` of the server's own queue, waiting + running requests as scraped
-    (``vllm:num_requests_waiting`` / ``running``, ``llamacpp:requests_deferred`` /
-    ``processing``, inflight's), over [t0, t1]; None with fewer than ``min_samples``."""
-    pts = [(s["t"], s["waiting"] + s["running"]) for s in samples
-           if s.get("waiting") is not None and s.get("running") is not None and t0 <= s["t"] <= t1]
-    if len(pts) < min_samples:
-        return None
-    ts, q = np.asarray(pts, dtype=float).T
-    return trend(ts, q, t0, t1)
-
-
-def trend(ts: np.ndarray, q: np.ndarray, t0: float, t1: float) -> dict:
-    """The least-squares trend of a count ``q`` sampled at times ``ts`` (s) over [t0, t1]:
-    slope (1/s), growth over the span, its autocorrelation-corrected standard error, the
-    residuals' standard deviation and the mean (see :func:`queue_growth`)."""
-    span = max(t1 - t0, 1e-9)
-    if ts.size < 3:
-        return {"slope": 0.0, "growth": 0.0, "growth_se": 0.0, "resid_sd": 0.0, "mean_in_flight": 0.0,
-                "t0": t0, "t1": t1}
-    slope, icept = np.polyfit(ts, q, 1)
-    resid = q - (slope * ts + icept)
-    r1 = 0.0
-    if resid.std() > 0:
-        r1 = float(np.clip(np.corrcoef(resid[:-1], resid[1:])[0, 1], 0.0, 0.999))
-    n_eff = max(3.0, ts.size * (1 - r1) / (1 + r1))
-    sxx = float(((ts - ts.mean()) ** 2).sum()) * n_eff / ts.size
-    se = math.sqrt(float((resid ** 2).sum()) / max(1.0, ts.size - 2) / sxx) if sxx > 0 else 0.0
-    return {"slope": float(slope), "growth": float(slope) * span, "growth_se": se * span,
-            "resid_sd": float(resid.std()), "mean_in_flight": float(q.mean()), "t0": t0, "t1": t1}
-
-
-def server_queue_slope(samples: Sequence[dict], t0: float, t1: float, key: str = "waiting") -> float | None:
-    """Slope (requests/s) of a scraped server gauge over [t0, t1]; None if too few samples."""
-    pts = [(s["t"], s[key]) for s in samples if s.get(key) is not None and t0 <= s["t"] <= t1]
-    if len(pts) < 3:
-        return None
-    t, v = np.asarray(pts, dtype=float).T
-    return float(np.polyfit(t, v, 1)[0])
-
-
-# ---------------------------------------------------------------- censored latencies
-
-def censored_metrics(r: RequestRecord, deadline: float) -> dict:
-    """One request's TTFT, TPOT, E2E (s) and ITL gaps, with an unfinished request censored:
-    ``inf`` where it never got there, its open gap up to ``deadline`` as a last gap."""
-    chunks = r.chunk_times
-    gaps = [b - a for a, b in zip(chunks, chunks[1:])]
-    if r.success:
-        ttft = chunks[0] - r.send_time if chunks else None
-        e2e = chunks[-1] - r.send_time if chunks else None
-        n = r.output_tokens or 0
-        tpot = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
-        return {"ttft": ttft, "tpot": tpot, "e2e": e2e, "itls": gaps}
-    # Unfinished: whatever it did not reach is beyond every finite target.
-    ttft = chunks[0] - r.send_time if chunks else math.inf
-    open_gap = deadline - (chunks[-1] if chunks else r.send_time)
-    return {"ttft": ttft, "tpot": math.inf, "e2e": math.inf,
-            "itls": gaps + ([max(0.0, open_gap)] if chunks else [])}
-
-
-def slo_intervals(sample: Sequence[RequestRecord], slo: SLO, deadline: float,
-                  confidence: float = DEFAULT_CONFIDENCE) -> dict[str, dict]:
-    """Each aggregate SLO's interval over the finished and unfinished sample requests
-    (failed ones excluded: a failure fails the point on its own), in arrival order so that
-    a clump of slow requests counts as the fewer independent draws it is."""
-    kept = sorted((r for r in sample if r.success or r.unfinished), key=lambda r: r.scheduled_time)
-    measured = [censored_metrics(r, deadline) for r in kept]
-    out = {}
-    for (metric, stat), target in slo.aggregate.items():
-        if metric == "itl":
-            iv = stat_interval(stat, groups=[m["itls"] for m in measured], confidence=confidence,
-                               ordered=True)
-        else:
-            iv = stat_interval(stat, per_request=[m[metric] for m in measured if m[metric] is not None],
-                               confidence=confidence, ordered=True)
-        out[f"{metric}_{stat}"] = {**iv.to_json(), "target": target,
-                                   "passed": iv.bounded and iv.hi <= target}
-    return out
 
 
 # ---------------------------------------------------------------- the verdict
 
 def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemptions: float | None = None,
-          thresholds: Thresholds | None = None, server_samples: Sequence[dict] = (),
+          thresholds: Thresholds | None = None, server_samples: Sequence[dict[str, Any]] = (),
           final: bool = True) -> Verdict:
     """The verdict on one windowed point. ``records``: every request of the point, each with
     ``phase`` (warmup, sample, cooldown); ``preemptions``: the server counter's growth over
@@ -259,100 +154,172 @@ def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemption
     th = thresholds or Thresholds()
     point = [r for r in records if r.phase in ("warmup", "sample", "cooldown")]
     sample = [r for r in point if r.phase == "sample"]
+    rate = _throughput(point, sample, window, th)
+    queue = _queue(point, sample, window, th, server_samples)
+    intervals = slo_intervals(sample, slo, window.deadline, th.confidence)
+    for iv in intervals.values():
+        iv["state"] = _interval_state(iv)
+    if not final and all(iv["state"] == PASS for iv in intervals.values()):
+        # Throughput and queue forecast that latency will break; while it has not, a
+        # longer window tells a lasting trend from a passing slowdown (module doc).
+        rate.state = UNDECIDED if rate.state == FAIL else rate.state
+        queue.state = UNDECIDED if queue.state == FAIL else queue.state
+
+    found = _Findings()
+    if not sample:
+        found.fail("sample", "no request arrived in the window")
+    found.forecast("throughput", rate.state, rate.reason(th), final)
+    found.forecast("queue", queue.state, queue.reason(), final)
+    for key, iv in intervals.items():
+        found.statistic(key, iv, th.confidence, final)
+    failed = [r for r in point if not r.success and not r.unfinished and not r.cancelled]
+    if failed:
+        first = (failed[0].error or "unknown error")[:120]
+        found.fail("failures", f"{len(failed)} requests failed (first: {first})")
+    finished = sum(1 for r in point if r.success)
+    per_req = preemptions / finished if preemptions is not None and finished else None
+    if per_req is not None and per_req > th.preemption_threshold:
+        found.fail("preemption", f"{per_req:.2f} preemptions per request > {th.preemption_threshold:g}")
+
+    evidence = {
+        "window": {"start": window.start, "end": window.end, "seconds": window.seconds, "deadline": window.deadline},
+        **rate.to_json(),
+        "queue": queue.to_json(),
+        "server_waiting_slope": server_queue_slope(server_samples, queue.mid, window.end),
+        "slo": intervals, "unfinished": sum(1 for r in sample if r.unfinished), "failed": len(failed),
+        "cancelled_cooldown": sum(1 for r in point if r.cancelled),
+        "preemptions": preemptions, "preemptions_per_request": per_req,
+        "thresholds": th.__dict__.copy(), "causes": found.causes, "undecided": found.undecided,
+        "final": final,
+    }
+    return found.verdict(evidence)
+
+
+@dataclass
+class _Throughput:
+    """Rule 1 (module doc): completions in the window keep up with its arrivals."""
+
+    arrivals: int  # the sample: arrivals in the window
+    done: int  # requests of the point completed within the window
+    offered: float  # req/s
+    completed: float  # req/s
+    allowed: float  # shortfall (requests) that passes
+    in_flight_sd: float  # the in-flight count's deviation about its trend over the window
+    state: str
+
+    @property
+    def shortfall(self) -> int:
+        return self.arrivals - self.done
+
+    def reason(self, th: Thresholds) -> str:
+        return (f"throughput {self.completed:.3g} req/s < {th.rate_tolerance:g} x offered {self.offered:.3g} req/s "
+                f"({self.shortfall} more arrived than completed; noise allows {self.allowed:.1f})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sample": self.arrivals, "offered_rate": self.offered, "completed_rate": self.completed,
+                "completed_in_window": self.done,
+                "rate_ratio": self.completed / self.offered if self.offered else None,
+                "shortfall": self.shortfall, "shortfall_allowed": self.allowed, "in_flight_sd": self.in_flight_sd,
+                "throughput_state": self.state}
+
+
+def _throughput(point: list[RequestRecord], sample: list[RequestRecord], window: Window,
+                th: Thresholds) -> _Throughput:
     secs = window.seconds
     arrivals = len(sample)
-    done_in_window = sum(1 for r in point if r.success and window.start <= r.end_time < window.end)
-    offered = arrivals / secs if secs > 0 else math.inf
-    completed = done_in_window / secs if secs > 0 else 0.0
-    shortfall = arrivals - done_in_window
+    done = sum(1 for r in point if r.success and window.start <= r.end_time < window.end)
     whole = queue_growth(point, window.start, window.end)
     base_allowed = (1 - th.rate_tolerance) * arrivals
-    rate_noise = math.sqrt(2) * whole["resid_sd"]
+    noise = math.sqrt(2) * whole["resid_sd"]
     # One request short is no trend in a count: small samples would fail on it alone.
-    rate_allowed = max(base_allowed + th.noise_z * rate_noise, 1.0)
-    rate_state = _state(shortfall, rate_allowed, max(base_allowed + th.fail_z * rate_noise, 1.0))
+    allowed = max(base_allowed + th.noise_z * noise, 1.0)
+    state = _state(arrivals - done, allowed, max(base_allowed + th.fail_z * noise, 1.0))
+    return _Throughput(arrivals, done, arrivals / secs if secs > 0 else math.inf,
+                       done / secs if secs > 0 else 0.0, allowed, whole["resid_sd"], state)
 
+
+@dataclass
+class _Queue:
+    """Rule 2 (module doc): the queue does not grow over the window's second half."""
+
+    growth: dict[str, float]  # queue_trend.trend's, over [mid, end]
+    source: str  # whose count: the server's gauges or the client's in-flight
+    arrivals: int  # sample arrivals in the second half
+    tolerance: float  # growth (requests) that passes
+    state: str
+    mid: float  # s: where the second half starts
+
+    def reason(self) -> str:
+        return (f"queue growing: {self.growth['growth']:+.1f} requests over the window's second half "
+                f"({self.growth['slope']:.3g} req/s; tolerance {self.tolerance:.1f})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.growth, "tolerance": self.tolerance, "arrivals": self.arrivals, "source": self.source,
+                "state": self.state}
+
+
+def _queue(point: list[RequestRecord], sample: list[RequestRecord], window: Window, th: Thresholds,
+           server_samples: Sequence[dict[str, Any]]) -> _Queue:
     mid = (window.start + window.end) / 2
     half, source = gauge_growth(server_samples, mid, window.end), "server gauges (waiting + running)"
     if half is None:
         half, source = queue_growth(point, mid, window.end), "client in-flight"
-    half_arrivals = sum(1 for r in sample if r.scheduled_time >= mid)
-    queue_base = th.queue_tolerance * half_arrivals
-    queue_tol = max(queue_base + th.noise_z * half["growth_se"], 1.0)  # +1 is no trend in a count
-    queue_state = _state(half["growth"], queue_tol, max(queue_base + th.fail_z * half["growth_se"], 1.0))
+    arrivals = sum(1 for r in sample if r.scheduled_time >= mid)
+    base = th.queue_tolerance * arrivals
+    tolerance = max(base + th.noise_z * half["growth_se"], 1.0)  # +1 is no trend in a count
+    state = _state(half["growth"], tolerance, max(base + th.fail_z * half["growth_se"], 1.0))
+    return _Queue(half, source, arrivals, tolerance, state, mid)
 
-    failed = [r for r in point if not r.success and not r.unfinished and not r.cancelled]
-    unfinished = sum(1 for r in sample if r.unfinished)
-    finished_all = sum(1 for r in point if r.success)
-    per_req = preemptions / finished_all if preemptions is not None and finished_all else None
-    intervals = slo_intervals(sample, slo, window.deadline, th.confidence)
 
-    for iv in intervals.values():
-        iv["state"] = (PASS if iv["passed"] else FAIL if iv["n"] < iv["n_min"] or iv["lo"] > iv["target"]
-                       else UNDECIDED)
-    latency_met = all(iv["state"] == PASS for iv in intervals.values())
-    if not final and latency_met:
-        # Throughput and queue forecast that latency will break; while it has not, a
-        # longer window tells a lasting trend from a passing slowdown (module doc).
-        rate_state = UNDECIDED if rate_state == FAIL else rate_state
-        queue_state = UNDECIDED if queue_state == FAIL else queue_state
+def _interval_state(iv: dict[str, Any]) -> str:
+    """Rule 3 (module doc) for one SLO statistic: pass within the target; fail when the
+    sample cannot bound it or its whole interval lies above the target; else undecided."""
+    if iv["passed"]:
+        return PASS
+    return FAIL if iv["n"] < iv["n_min"] or iv["lo"] > iv["target"] else UNDECIDED
 
-    reasons, causes, undecided = [], [], []
-    if arrivals == 0:
-        reasons.append("no request arrived in the window")
-        causes.append("sample")
-    rate_text = (f"throughput {completed:.3g} req/s < {th.rate_tolerance:g} x offered {offered:.3g} req/s "
-                 f"({shortfall} more arrived than completed; noise allows {rate_allowed:.1f})")
-    queue_text = (f"queue growing: {half['growth']:+.1f} requests over the window's second half "
-                  f"({half['slope']:.3g} req/s; tolerance {queue_tol:.1f})")
-    for key, state, text in (("throughput", rate_state, rate_text), ("queue", queue_state, queue_text)):
+
+@dataclass
+class _Findings:
+    """The verdict's reasons (why it failed), each failure's cause, and the criteria left
+    undecided, in the order the rules were checked."""
+
+    reasons: list[str] = field(default_factory=list)
+    causes: list[str] = field(default_factory=list)
+    undecided: list[str] = field(default_factory=list)
+
+    def fail(self, cause: str, reason: str) -> None:
+        self.causes.append(cause)
+        self.reasons.append(reason)
+
+    def forecast(self, key: str, state: str, text: str, final: bool) -> None:
+        """Throughput or queue: a failure, or an undecided state that fails at the last look."""
         if state == FAIL or (state == UNDECIDED and final):
-            causes.append(key)
-            reasons.append(text + (" (not conclusive on its own)" if state == UNDECIDED else ""))
+            self.fail(key, text + (" (not conclusive on its own)" if state == UNDECIDED else ""))
         elif state == UNDECIDED:
-            undecided.append(key)
-    for key, iv in intervals.items():
-        if iv["state"] == PASS:
-            continue
-        if iv["state"] == UNDECIDED and not final:
-            undecided.append(key)
-            continue
-        causes.append("sample" if iv["n"] < iv["n_min"] else key)
-        if iv["n"] < iv["n_min"]:
-            reasons.append(f"{key}: {iv['n']} requests cannot bound it (needs >= {iv['n_min']} at "
-                           f"{th.confidence:.0%} confidence)")
-        else:
-            reasons.append(f"{key} {_ms(iv['estimate'])} (upper {_ms(iv['hi'])}) > {_ms(iv['target'])}"
-                           + (" (not conclusive on its own)" if iv["state"] == UNDECIDED else ""))
-    if failed:
-        causes.append("failures")
-        first = (failed[0].error or "unknown error")[:120]
-        reasons.append(f"{len(failed)} requests failed (first: {first})")
-    if per_req is not None and per_req > th.preemption_threshold:
-        causes.append("preemption")
-        reasons.append(f"{per_req:.2f} preemptions per request > {th.preemption_threshold:g}")
+            self.undecided.append(key)
 
-    evidence = {
-        "window": {"start": window.start, "end": window.end, "seconds": secs, "deadline": window.deadline},
-        "sample": arrivals, "offered_rate": offered, "completed_rate": completed,
-        "completed_in_window": done_in_window, "rate_ratio": completed / offered if offered else None,
-        "shortfall": shortfall, "shortfall_allowed": rate_allowed, "in_flight_sd": whole["resid_sd"],
-        "throughput_state": rate_state,
-        "queue": {**half, "tolerance": queue_tol, "arrivals": half_arrivals, "source": source,
-                  "state": queue_state},
-        "server_waiting_slope": server_queue_slope(server_samples, mid, window.end),
-        "slo": intervals, "unfinished": unfinished, "failed": len(failed),
-        "cancelled_cooldown": sum(1 for r in point if r.cancelled),
-        "preemptions": preemptions, "preemptions_per_request": per_req,
-        "thresholds": th.__dict__.copy(), "causes": causes, "undecided": undecided,
-        "final": final,
-    }
-    if reasons:
-        return Verdict(False, reasons, evidence, FAIL)
-    if undecided:
-        return Verdict(False, [f"undecided: {', '.join(undecided)} within noise of the target"], evidence,
-                       UNDECIDED)
-    return Verdict(True, [], evidence, PASS)
+    def statistic(self, key: str, iv: dict[str, Any], confidence: float, final: bool) -> None:
+        """An SLO statistic's interval (with its ``state``): a sample too small to bound it
+        is the sample's fault; an undecided one fails only at the last look."""
+        if iv["state"] == PASS:
+            return
+        if iv["state"] == UNDECIDED and not final:
+            self.undecided.append(key)
+        elif iv["n"] < iv["n_min"]:
+            self.fail("sample", f"{key}: {iv['n']} requests cannot bound it (needs >= {iv['n_min']} at "
+                                f"{confidence:.0%} confidence)")
+        else:
+            self.fail(key, f"{key} {_ms(iv['estimate'])} (upper {_ms(iv['hi'])}) > {_ms(iv['target'])}"
+                           + (" (not conclusive on its own)" if iv["state"] == UNDECIDED else ""))
+
+    def verdict(self, evidence: dict[str, Any]) -> Verdict:
+        if self.reasons:
+            return Verdict(False, self.reasons, evidence, FAIL)
+        if self.undecided:
+            return Verdict(False, [f"undecided: {', '.join(self.undecided)} within noise of the target"],
+                           evidence, UNDECIDED)
+        return Verdict(True, [], evidence, PASS)
 
 
 def _state(value: float, pass_at_most: float, fail_above: float) -> str:
@@ -370,7 +337,7 @@ def _ms(v: float | None) -> str:
     return f"{v * 1000:.0f} ms" if v < 10 else f"{v:.1f} s"
 
 
-def evidence_lines(ev: dict) -> list[str]:
+def evidence_lines(ev: dict[str, Any]) -> list[str]:
     """The evidence as a few readable lines (what a verdict printed on pass and on fail)."""
     out = [f"offered {ev['offered_rate']:.3g} req/s, completed {ev['completed_rate']:.3g} req/s in the "
            f"{ev['window']['seconds']:.3g} s window ({ev['sample']} requests, {ev['shortfall']} short, "

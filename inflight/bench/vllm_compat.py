@@ -1,4 +1,4 @@
-"""``vllm bench serve``'s spellings and result keys, so vLLM's benchmark scripts run as they are.
+"""``vllm bench serve``'s spellings, so vLLM's benchmark scripts run as they are.
 
 vLLM's flags (``vllm/benchmarks/serve.py`` and ``datasets.py``) are added to every ``bench``
 sub-command by :func:`add_vllm_args` and folded into inflight's own settings by
@@ -13,24 +13,18 @@ sub-command by :func:`add_vllm_args` and folded into inflight's own settings by
 - ``--goodput ttft:MS tpot:MS e2el:MS`` adds per-request targets (milliseconds) to the goodput;
 - ``--top-p`` ... ``--repetition-penalty`` go into the request body;
 - ``--save-result`` without a file, ``--result-dir``, ``--result-filename`` and ``--label``
-  name the result file as vLLM does.
-
-:func:`vllm_result` computes vLLM's result keys (``mean_ttft_ms``, ``p99_itl_ms``, ``ttfts``,
-``generated_texts``, ...) from the request records, for the saved JSON of ``bench serve``.
+  name the result file as vLLM does (``vllm_result``, which also computes vLLM's result keys).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
-import os
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
 
-import numpy as np
-
-from inflight.bench.client import RequestRecord
-from inflight.bench.summary import SLO, request_metrics
+from inflight.bench.datasets import BUILDERS
+from inflight.bench.summary import SLO
 
 # vLLM's --dataset-name -> ours, where ours means the same thing.
 DATASETS = {"random": "random", "sonnet": "sonnet", "custom": "chat"}
@@ -62,9 +56,8 @@ DEFAULT_METRIC_PERCENTILES = "99"
 SAMPLING_FLAGS = ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 ENDPOINTS = {"completions": "completions", "openai": "completions", "vllm": "completions",
              "chat": "chat", "openai-chat": "chat"}
-BACKEND_NAMES = {"completions": "openai", "chat": "openai-chat"}  # ours -> vLLM's --backend
-# vLLM's per-request lists: saved by `vllm bench serve --save-detailed`, always here.
-PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
+# Which flag --dataset-path sets, per dataset.
+DATA_FILE_FLAGS = {"sonnet": "sonnet_file", "chat": "chat_file", "trace": "trace_file"}
 
 
 def endpoint_type(text: str) -> str:
@@ -118,6 +111,61 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------- resolving
+
+@dataclass(frozen=True)
+class SpelledFlags:
+    """The flags as given, in either spelling (None: not given): what
+    :func:`resolve_vllm_args` folds into one setting each."""
+
+    base_url: str | None = None
+    host: str | None = None
+    port: int | None = None
+    endpoint: str | None = None
+    endpoint_type: str | None = None
+    served_model_name: str | None = None
+    model: str | None = None
+    dataset_name: str | None = None
+    dataset: str | None = None
+    custom_output_len: int | None = None
+    skip_chat_template: bool = False
+    input_len: int | None = None
+    output_len: int | None = None
+    prefix_len: int | None = None
+    random_prefix_len: int | None = None
+    num_prompts: int | None = None
+    dataset_path: str | None = None
+    trace_file: str | None = None
+    chat_file: str = "mt_bench"
+    arrival: str | None = None
+    burstiness: float = 1.0
+    sampling: dict[str, float] = field(default_factory=dict)  # --top-p ...: the ones given
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    goodput: Sequence[str] | None = None
+    percentile_metrics: str | None = None
+    metric_percentiles: str | None = None
+    save_result: str | bool | None = None
+    result_filename: str | None = None
+    metadata: Sequence[str] | None = None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the run uses, whichever spelling set it (names as the flags': ``--base-url`` ...)."""
+
+    base_url: str
+    endpoint_type: str | None
+    model: str | None
+    dataset: str
+    input_len: int
+    output_len: int
+    prefix_len: int
+    num_prompts: int
+    trace_file: str | None
+    chat_file: str
+    sonnet_file: str | None
+    arrival: str
+    extra_body: dict[str, Any]
+
 
 def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
     """vLLM's ``--goodput`` pairs ``ttft:500 tpot:50`` (ms) -> our per-request targets in s
@@ -178,229 +226,129 @@ def _host_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def resolve_vllm_args(args: argparse.Namespace) -> None:
-    """Fold vLLM's spellings in ``args`` into inflight's own, in place (idempotent).
+def resolve_vllm_args(f: SpelledFlags) -> Resolved:
+    """Fold vLLM's spellings into inflight's own: the ``base_url``, ``endpoint_type``,
+    ``model``, ``dataset``, data files, lengths, ``num_prompts``, ``arrival`` and
+    ``extra_body`` the run uses, whichever spelling set them. ValueError on flags that
+    contradict (or on a bad ``--goodput``, ``--percentile-metrics``, ``--metadata`` ...)."""
+    base_url, endpoint = _server(f)
+    dataset, vllm_name = _dataset(f)
+    lengths = _lengths(f, dataset, vllm_name)
+    files = _data_file(f, dataset)
+    if vllm_name == "custom" and f.skip_chat_template:
+        if endpoint == "chat":
+            raise ValueError("--skip-chat-template sends raw prompts to /v1/completions; it contradicts chat")
+        endpoint = "completions"
+    # vLLM's --burstiness alone means gamma gaps
+    arrival = f.arrival or ("gamma" if f.burstiness != 1.0 else "poisson")
+    extra_body = {**f.sampling, **f.extra_body} if f.sampling else f.extra_body
+    _check_output(f)
+    return Resolved(base_url=base_url, endpoint_type=endpoint,
+                    model=f.served_model_name if f.served_model_name else f.model, dataset=dataset,
+                    input_len=lengths["input_len"], output_len=lengths["output_len"],
+                    prefix_len=lengths["prefix_len"],
+                    num_prompts=f.num_prompts if f.num_prompts is not None
+                    else VLLM_NUM_PROMPTS if vllm_name else OUR_NUM_PROMPTS,
+                    trace_file=files.trace_file, chat_file=files.chat_file, sonnet_file=files.sonnet_file,
+                    arrival=arrival, extra_body=extra_body)
 
-    After it, ``base_url``, ``endpoint_type``, ``model``, ``dataset``, ``data files``, the
-    lengths, ``num_prompts``, ``arrival``, ``extra_body`` and ``save_result`` hold what the
-    run uses, whichever spelling set them. ValueError on contradicting flags.
-    """
-    if getattr(args, "_vllm_resolved", False):
-        return
-    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
 
-    # server
-    if g("base_url") is None:
-        args.base_url = _host_url(g("host") or "127.0.0.1", g("port") or 8000)
-    elif g("host") is not None or g("port") is not None:
+def _server(f: SpelledFlags) -> tuple[str, str | None]:
+    """(base URL, endpoint type) from --base-url or --host/--port, --endpoint-type or --endpoint."""
+    if f.base_url is None:
+        base_url = _host_url(f.host or "127.0.0.1", f.port or 8000)
+    elif f.host is not None or f.port is not None:
         raise ValueError("give --base-url or --host/--port, not both")
-    if g("endpoint") is not None:
-        from_path = _endpoint_from_path(args.endpoint)
-        if g("endpoint_type") is not None and args.endpoint_type != from_path:
-            raise ValueError(f"--endpoint {args.endpoint} contradicts --endpoint-type/--backend "
-                             f"({args.endpoint_type})")
-        args.endpoint_type = from_path
-    if g("served_model_name"):
-        args.model = args.served_model_name
+    else:
+        base_url = f.base_url
+    endpoint = f.endpoint_type
+    if f.endpoint is not None:
+        from_path = _endpoint_from_path(f.endpoint)
+        if f.endpoint_type is not None and f.endpoint_type != from_path:
+            raise ValueError(f"--endpoint {f.endpoint} contradicts --endpoint-type/--backend "
+                             f"({f.endpoint_type})")
+        endpoint = from_path
+    return base_url, endpoint
 
-    # dataset
-    name = g("dataset_name")
-    vllm_name = None
-    if name is not None:
-        key = name.strip().lower()
-        if key in MISSING_DATASETS:
-            raise ValueError(f"--dataset-name {name}: {MISSING_DATASETS[key]}")
-        from inflight.bench.datasets import BUILDERS
-        ours = DATASETS.get(key) or (key if key in BUILDERS else None)
-        if ours is None:
-            raise ValueError(f"--dataset-name {name!r}: unknown; vLLM's names mapped here: "
-                             f"{', '.join(DATASETS)}; ours: {', '.join(BUILDERS)}")
-        if g("dataset") is not None and args.dataset != ours:
-            raise ValueError(f"--dataset-name {name} (our {ours}) contradicts --dataset {args.dataset}")
-        args.dataset = ours
-        vllm_name = key if key in DATASETS else None
-    elif g("dataset") is None:
-        args.dataset = "random"
-    lengths = VLLM_LENGTHS.get(vllm_name or "", {}) if vllm_name else {}
-    if vllm_name == "custom" and g("custom_output_len") is not None:
-        if g("output_len") is not None and args.output_len != args.custom_output_len:
+
+def _dataset(f: SpelledFlags) -> tuple[str, str | None]:
+    """(our dataset, vLLM's name where --dataset-name gave one of ours)."""
+    if f.dataset_name is None:
+        return f.dataset or "random", None
+    key = f.dataset_name.strip().lower()
+    if key in MISSING_DATASETS:
+        raise ValueError(f"--dataset-name {f.dataset_name}: {MISSING_DATASETS[key]}")
+    ours = DATASETS.get(key) or (key if key in BUILDERS else None)
+    if ours is None:
+        raise ValueError(f"--dataset-name {f.dataset_name!r}: unknown; vLLM's names mapped here: "
+                         f"{', '.join(DATASETS)}; ours: {', '.join(BUILDERS)}")
+    if f.dataset is not None and f.dataset != ours:
+        raise ValueError(f"--dataset-name {f.dataset_name} (our {ours}) contradicts --dataset {f.dataset}")
+    return ours, key if key in DATASETS else None
+
+
+def _lengths(f: SpelledFlags, dataset: str, vllm_name: str | None) -> dict[str, int]:
+    """input_len, output_len, prefix_len: as given, else the spelling's defaults."""
+    given: dict[str, int | None] = {"input_len": f.input_len, "output_len": f.output_len, "prefix_len": f.prefix_len}
+    if vllm_name == "custom" and f.custom_output_len is not None:
+        if f.output_len is not None and f.output_len != f.custom_output_len:
             raise ValueError("--custom-output-len contradicts --output-len")
-        args.output_len = args.custom_output_len
-    rpl = g("random_prefix_len")
+        given["output_len"] = f.custom_output_len
+    rpl = f.random_prefix_len
     if rpl is not None:
-        if g("prefix_len") is not None and args.prefix_len != rpl:
+        if f.prefix_len is not None and f.prefix_len != rpl:
             raise ValueError("--random-prefix-len contradicts --prefix-len")
-        args.prefix_len = rpl
-    for k, ours_default in OUR_LENGTHS.items():
-        if g(k) is None:
-            setattr(args, k, lengths.get(k, ours_default))
-    if rpl is not None and args.dataset == "random":
+        given["prefix_len"] = rpl
+    defaults = VLLM_LENGTHS.get(vllm_name or "", {})
+    out = {k: defaults.get(k, ours) for k, ours in OUR_LENGTHS.items()}
+    out.update({k: v for k, v in given.items() if v is not None})
+    if rpl is not None and dataset == "random":
         # vLLM's random prompt is the prefix plus --random-input-len tokens; ours counts the
         # prefix inside --input-len.
-        args.input_len = args.input_len + rpl
-    if g("num_prompts") is None:
-        args.num_prompts = VLLM_NUM_PROMPTS if vllm_name else OUR_NUM_PROMPTS
-    path = g("dataset_path")
-    if path is not None:
-        if args.dataset == "random":
-            raise ValueError("--dataset-path with the random dataset: name the dataset it holds "
-                             "(--dataset-name sonnet or custom, or --dataset trace/chat)")
-        field = {"sonnet": "sonnet_file", "chat": "chat_file", "trace": "trace_file"}[args.dataset]
-        if field == "trace_file" and g("trace_file") not in (None, path):
-            raise ValueError("--dataset-path and --trace-file name different files")
-        setattr(args, field, path)
-    if vllm_name == "custom" and g("skip_chat_template"):
-        if g("endpoint_type") == "chat":
-            raise ValueError("--skip-chat-template sends raw prompts to /v1/completions; it contradicts chat")
-        args.endpoint_type = "completions"
+        out["input_len"] += rpl
+    return out
 
-    # arrivals: vLLM's --burstiness alone means gamma gaps
-    if g("arrival") is None:
-        args.arrival = "gamma" if g("burstiness", 1.0) != 1.0 else "poisson"
 
-    # request body
-    sampling = {k: g(k) for k in SAMPLING_FLAGS if g(k) is not None}
-    if sampling:
-        args.extra_body = {**sampling, **(g("extra_body") or {})}
+@dataclass(frozen=True)
+class _DataFiles:
+    trace_file: str | None
+    chat_file: str
+    sonnet_file: str | None
 
-    # output
-    parse_goodput(g("goodput"))
-    parse_percentile_metrics(g("percentile_metrics"))
-    parse_metric_percentiles(g("metric_percentiles"))
-    if isinstance(g("save_result"), str) and g("result_filename"):
+
+def _data_file(f: SpelledFlags, dataset: str) -> _DataFiles:
+    """trace_file, chat_file, sonnet_file: --dataset-path names the one of the dataset."""
+    files = _DataFiles(f.trace_file, f.chat_file, None)
+    path = f.dataset_path
+    if path is None:
+        return files
+    if dataset == "random":
+        raise ValueError("--dataset-path with the random dataset: name the dataset it holds "
+                         "(--dataset-name sonnet or custom, or --dataset trace/chat)")
+    name = DATA_FILE_FLAGS[dataset]
+    if name == "trace_file" and f.trace_file not in (None, path):
+        raise ValueError("--dataset-path and --trace-file name different files")
+    return replace(files, **{name: path})
+
+
+def _check_output(f: SpelledFlags) -> None:
+    """ValueError on a bad --goodput, --percentile-metrics, --metric-percentiles or
+    --metadata, or two names for the result file."""
+    parse_goodput(f.goodput)
+    parse_percentile_metrics(f.percentile_metrics)
+    parse_metric_percentiles(f.metric_percentiles)
+    if isinstance(f.save_result, str) and f.result_filename:
         raise ValueError("--save-result FILE and --result-filename both name the result file: give one")
-    for item in g("metadata") or []:
+    for item in f.metadata or []:
         if "=" not in item:
             raise ValueError(f"--metadata {item!r}: expected KEY=VALUE")
-    args._vllm_resolved = True
 
 
-def merge_goodput(slo: SLO, args: argparse.Namespace) -> SLO:
+def merge_goodput(slo: SLO, goodput: Sequence[str] | None) -> SLO:
     """``slo`` with ``--goodput``'s per-request targets added; ValueError where ``--slo`` sets
     the same metric to another value."""
-    for metric, target in parse_goodput(getattr(args, "goodput", None)).items():
+    for metric, target in parse_goodput(goodput).items():
         if metric in slo.per_request and not math.isclose(slo.per_request[metric], target):
             raise ValueError(f"--goodput and --slo both set a per-request {metric} target, differently")
         slo.per_request[metric] = target
     return slo
-
-
-def backend_name(endpoint: str) -> str:
-    """vLLM's ``--backend`` name of our endpoint type: openai or openai-chat."""
-    return BACKEND_NAMES.get(endpoint, endpoint)
-
-
-def result_path(args: argparse.Namespace, kind: str, model: str | None, endpoint: str | None = None,
-                now: dt.datetime | None = None) -> str | None:
-    """Where to save the result: ``--save-result FILE``, or with ``--save-result`` alone,
-    ``--result-dir`` or ``--result-filename`` vLLM's name
-    ``{label}-{rate}qps[-concurrency{N}]-{model}-{YYYYmmdd-HHMMSS}.json`` (``sweep``/``capacity``:
-    ``{label}-{kind}-{date}.json``), inside ``--result-dir``. None: nothing to save."""
-    save = getattr(args, "save_result", None)
-    rdir, rname = getattr(args, "result_dir", None), getattr(args, "result_filename", None)
-    if not save and not rdir and not rname:
-        return None
-    if isinstance(save, str):
-        name = save
-    elif rname:
-        name = rname
-    else:
-        stamp = (now or dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
-        label = getattr(args, "label", None) or (backend_name(endpoint) if endpoint else "inflight")
-        if kind == "serve":
-            conc = getattr(args, "max_concurrency", None)
-            base_model = (model or "model").rstrip("/").split("/")[-1]
-            name = (f"{label}-{args.request_rate}qps{f'-concurrency{conc}' if conc is not None else ''}"
-                    f"-{base_model}-{stamp}.json")
-        else:
-            name = f"{label}-{kind}-{stamp}.json"
-    return os.path.join(rdir, name) if rdir else name
-
-
-# ---------------------------------------------------------------- vLLM's result keys
-
-def _p_word(p: float) -> str:
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def _ms_stats(values: list[float], metric: str, percentiles: Sequence[float]) -> dict[str, float]:
-    # As vLLM: an empty list counts as [0] (np.mean(x or 0)).
-    a = np.asarray(values if values else [0.0], dtype=float)
-    out = {f"mean_{metric}_ms": float(a.mean()) * 1000, f"median_{metric}_ms": float(np.median(a)) * 1000,
-           f"std_{metric}_ms": float(a.std()) * 1000}
-    for p in percentiles:
-        out[f"p{_p_word(p)}_{metric}_ms"] = float(np.percentile(a, p)) * 1000
-    return out
-
-
-def vllm_result(records: Sequence[RequestRecord], summary: dict, metrics: Sequence[str] | None = None,
-                percentiles: Sequence[float] | None = None) -> dict:
-    """vLLM's ``bench serve`` result keys from the run's records and our ``summary``.
-
-    Counted requests only (warm-ups and a window's warm-up/cool-down left out), in send order.
-    Totals and rates are the summary's (``duration``: first send to last end); the latency
-    keys are in ms over the completed requests, as vLLM's ``calculate_metrics``: TPOT over
-    requests with more than one output token, ITL pooling every gap, an empty list as 0.
-    Per request: ``input_lens`` (the prompt's tokens as built; where the client did not
-    count them, chat messages, the server's ``usage.prompt_tokens``), ``output_lens`` (0 when
-    failed), ``ttfts`` (s; 0 without a token), ``itls`` (s, list per request),
-    ``generated_texts`` and ``errors`` ("" when none).
-    """
-    metrics = list(metrics or parse_percentile_metrics(None))
-    percentiles = list(percentiles or parse_metric_percentiles(None))
-    counted = sorted((r for r in records if not r.warmup), key=lambda r: r.index)
-    ms = [request_metrics(r) for r in counted if r.success]
-    series = {"ttft": [m.ttft for m in ms if m.ttft is not None],
-              "tpot": [m.tpot for m in ms if m.tpot is not None],
-              "itl": [g for m in ms for g in m.itls],
-              "e2el": [m.e2e for m in ms if m.e2e is not None]}
-    out: dict = {
-        "duration": summary["duration"], "completed": summary["completed"], "failed": summary["failed"],
-        "total_input_tokens": summary["total_input_tokens"], "total_output_tokens": summary["total_output_tokens"],
-        "request_throughput": summary["request_throughput"], "request_goodput": summary.get("goodput"),
-        "output_throughput": summary["output_throughput"], "total_token_throughput": summary["total_token_throughput"],
-        "input_lens": [r.prompt_len if r.prompt_len is not None else r.prompt_tokens or 0 for r in counted],
-        "output_lens": [(r.output_tokens or 0) if r.success else 0 for r in counted],
-        "ttfts": [r.chunk_times[0] - r.send_time if r.chunk_times else 0.0 for r in counted],
-        "itls": [[b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])] for r in counted],
-        "generated_texts": [r.generated_text for r in counted],
-        "errors": [r.error or "" for r in counted],
-        "max_concurrent_requests": summary.get("peak_concurrency"),
-    }
-    for metric in metrics:
-        out.update(_ms_stats(series[metric], metric, percentiles))
-    return out
-
-
-def vllm_header(args: argparse.Namespace, model: str, endpoint: str) -> dict:
-    """vLLM's setup keys of a result (date, backend, label, model_id, tokenizer_id, num_prompts,
-    request_rate, burstiness, max_concurrency) and ``--metadata``'s fields."""
-    backend = backend_name(endpoint)
-    head = {"date": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend, "backend": backend,
-            "label": getattr(args, "label", None), "model_id": model,
-            "tokenizer_id": getattr(args, "tokenizer", None) or model, "num_prompts": args.num_prompts,
-            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency}
-    for item in getattr(args, "metadata", None) or []:
-        k, _, v = item.partition("=")
-        head[k.strip()] = v.strip()
-    return head
-
-
-def format_vllm_block(result: dict, metrics: Sequence[str], percentiles: Sequence[float]) -> str:
-    """vLLM's printed latency block (``Mean TTFT (ms):``, ``P99 TTFT (ms):``, ...) of ``result``."""
-    headers = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-               "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
-    lines = []
-    if result.get("request_goodput") is not None:
-        lines.append("{:<40} {:<10.2f}".format("Request goodput (req/s):", result["request_goodput"]))
-    for metric in metrics:
-        short, header = headers[metric]
-        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
-        lines.append("{:<40} {:<10.2f}".format(f"Mean {short} (ms):", result[f"mean_{metric}_ms"]))
-        lines.append("{:<40} {:<10.2f}".format(f"Median {short} (ms):", result[f"median_{metric}_ms"]))
-        for p in percentiles:
-            lines.append("{:<40} {:<10.2f}".format(f"P{_p_word(p)} {short} (ms):",
-                                                   result[f"p{_p_word(p)}_{metric}_ms"]))
-    lines.append("=" * 50)
-    return "\n".join(lines)

@@ -1,6 +1,6 @@
 """One engine replica: what runs inside each Ray actor of ``--data-parallel-size N``.
 
-``ReplicaServer`` is a plain class (importable without Ray); ``client.ClusterEngine`` wraps
+``ReplicaServer`` is a plain class (importable without Ray); ``ray_engine.ClusterEngine`` wraps
 it with ``ray.remote`` (an async actor, restarted by Ray when its process dies). It owns an
 ``Engine`` with its ``AsyncEngine`` loop (the same engine thread as the one-engine server)
 and that engine's ``ServerMetrics``; the ingress talks to it through these methods:
@@ -70,7 +70,7 @@ class ReplicaServer:
         logging.basicConfig(level=log_level.upper(),
                             format=f"%(asctime)s %(levelname)s replica{index} %(name)s: %(message)s")
         from inflight.engine import Engine
-        from inflight.server.app import _cache_config, _config_labels, build_engine_off_main_thread
+        from inflight.server.lifecycle import build_engine_off_main_thread
         from inflight.server.metrics import ServerMetrics
 
         self.index = index
@@ -79,14 +79,10 @@ class ReplicaServer:
         self.engine = AsyncEngine(core, max_num_waiting=None, log_interval_s=log_interval_s,
                                   watchdog_timeout_s=watchdog_timeout_s, watchdog_backstop=True)
         # A dead engine takes its actor's process with it: Ray restarts the actor and the
-        # ingress routes around it meanwhile (client.py). The second lets the errors out.
+        # ingress routes around it meanwhile (ray_engine.py). The second lets the errors out.
         self.engine.on_dead.append(
             lambda reason: threading.Timer(1.0, os._exit, (EXIT_ENGINE_DEAD,)).start())
-        self.metrics = ServerMetrics(self.engine, window_s=stats_window_s,
-                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                     config_labels=_config_labels(self.engine, model_name),
-                                     model_name=model_name,
-                                     cache_config=_cache_config(self.engine))
+        self.metrics = ServerMetrics.for_client(self.engine, model_name, stats_window_s)
         self.engine.listeners.append(self.metrics.on_step)
         self.engine.start()
         self._outbox: list[Item] = []
@@ -100,13 +96,11 @@ class ReplicaServer:
                   age_s: float, options: RequestOptions | None = None) -> None:
         """Queue a request that arrived ``age_s`` seconds ago; its outputs (or the error
         that ends it) come out of ``outputs``."""
-        self.metrics.expect(request_id, params.n, params.max_tokens)
         try:
             stream = self.engine.add_request(request_id, prompt, params,
                                              arrival_time=time.monotonic() - max(0.0, age_s),
                                              options=options)
         except EngineError as e:
-            self.metrics.forget(request_id)
             self._post(request_id, e)
             return
         self._tasks[request_id] = asyncio.create_task(self._pump(request_id, stream))
@@ -116,7 +110,6 @@ class ReplicaServer:
             async for out in stream:
                 self._post(request_id, out)
         except EngineError as e:
-            self.metrics.forget(request_id)
             self._post(request_id, e)
         except Exception as e:  # never leave the ingress waiting
             logger.exception("replica %d: request %s failed", self.index, request_id)

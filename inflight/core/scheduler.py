@@ -5,7 +5,8 @@ with its ``num_tokens`` (vLLM v1's model, vllm/v1/core/sched/scheduler.py): a pr
 chunk of one, or one decode token are the same thing with different counts, so chunked
 prefill and mixed prefill/decode steps need no separate phases.
 
-One step (see DESIGN.md):
+One step (see DESIGN.md), after the waiting requests that can no longer be served in time
+are shed (``core.shedding``):
   1. Running requests, oldest first, get the tokens they need (capped by the budget). When
      the pool lacks a block, the newest running request is preempted (blocks freed, back
      to the head of the waiting queue, recomputed later) until the allocation fits.
@@ -13,7 +14,7 @@ One step (see DESIGN.md):
      ``max_num_seqs`` remain and their KV blocks fit.
 
 After the runner sampled, ``update`` appends each token and applies the token-level stops
-(EOS, stop token ids, ``max_tokens``, the sequence length limit), freeing a finished
+(``core.stopping``: EOS, stop token ids, ``max_tokens``, the sequence length limit), freeing a finished
 request's blocks at once. Stop strings are text, so the output processor checks them and
 asks ``stop_request`` to end a request.
 """
@@ -24,50 +25,18 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 from inflight.core.kv_cache import KVCacheManager
 from inflight.core.overload import OverloadShedder, capped_step_budget
 from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
 from inflight.core.policies import make_batching_policy
 from inflight.core.queue_policy import make_policy
+from inflight.core.scheduler_config import SchedulerConfig
+from inflight.core.shedding import requests_to_shed
 from inflight.core.step_model import StepTimeModel
+from inflight.core.stopping import token_stop
 from inflight.errors import InvalidRequestError
 from inflight.request import Request, RequestStatus
-
-
-class SchedulerConfig(Protocol):
-    """The knobs the scheduler reads (``inflight.config.EngineConfig`` has them all);
-    a protocol, so ``core`` needs nothing from the layers above it."""
-
-    @property
-    def max_num_seqs(self) -> int: ...
-    @property
-    def max_num_batched_tokens(self) -> int: ...
-    @property
-    def enable_chunked_prefill(self) -> bool: ...
-    @property
-    def long_prefill_token_threshold(self) -> int: ...
-    @property
-    def max_model_len(self) -> int | None: ...
-    @property
-    def batching_policy(self) -> str: ...
-    @property
-    def max_queue_delay(self) -> float: ...
-    @property
-    def scheduling_policy(self) -> str: ...
-    @property
-    def ttft_slo(self) -> float | None: ...
-    @property
-    def itl_slo(self) -> float | None: ...
-    @property
-    def max_queue_time(self) -> float | None: ...
-    @property
-    def priority_aging_s(self) -> float: ...
-    @property
-    def overload_ttft(self) -> float | None: ...
-    @property
-    def max_step_time(self) -> float | None: ...
 
 
 class Scheduler:
@@ -219,16 +188,8 @@ class Scheduler:
         budget = capped_step_budget(self.step_model, self.running, budget,
                                     self.config.max_step_time)
         ahead = self.policy.tenants_ahead(self.running, self.waiting)
-        served = None  # None: every request (the cost-free common case)
         left_out: set[str] = set()
-        if ahead and any(r.tenant not in ahead for r in self.waiting):
-            # A request of a tenant behind its share waits: this step is for the tenants
-            # behind, and whoever was left out of the last one.
-            def served(r: Request) -> bool:
-                if r.tenant not in ahead or r.request_id in self._left_out:
-                    return True
-                left_out.add(r.request_id)
-                return False
+        served = self._served_this_step(ahead, left_out)
         self._shed(out, now, budget, ahead)
         budget = self._schedule_running(out, budget, served)
         if not out.preempted:
@@ -236,6 +197,24 @@ class Scheduler:
         self._left_out = left_out
         self.overload.observe(now, self.waiting, len(out.shed))
         return out
+
+    def _served_this_step(self, ahead: frozenset[str | None], left_out: set[str],
+                          ) -> Callable[[Request], bool] | None:
+        """Which requests this step may serve; None: every one (the cost-free common case).
+
+        While a request of a tenant behind its share waits (``ahead``: the tenants ahead of
+        theirs), the step is for the tenants behind and whoever was left out of the last
+        step; the predicate adds each request it leaves out to ``left_out``.
+        """
+        if not (ahead and any(r.tenant not in ahead for r in self.waiting)):
+            return None
+
+        def served(r: Request) -> bool:
+            if r.tenant not in ahead or r.request_id in self._left_out:
+                return True
+            left_out.add(r.request_id)
+            return False
+        return served
 
     def update(self, out: SchedulerOutput, sampled: list[SampleResult],
                now: float | None = None) -> list[Request]:
@@ -262,28 +241,11 @@ class Scheduler:
                 continue
             req.append_output_token(res.token_id, res.logprobs, now)
             self.num_generation_tokens += 1
-            status = self._check_stop(req)
+            status = token_stop(req, self.max_sequence_len)
             if status is not None:
                 self.finish_request(req, status)
             updated.append(req)
         return updated
-
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        p = req.sampling_params
-        token = req.output_token_ids[-1]
-        if req.grammar is not None and req.grammar.is_terminated:
-            return RequestStatus.FINISHED_STOPPED  # the grammar ended: nothing may follow
-        if req.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_sequence_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           served: Callable[[Request], bool] | None) -> int:
@@ -358,32 +320,14 @@ class Scheduler:
                                 key=lambda r: self.policy.running_key(r) or 0)
 
     def _shed(self, out: SchedulerOutput, now: float, budget: int, ahead: frozenset[str | None]) -> None:
-        """Reject waiting requests that can no longer be served in time (load shedding):
-        those past ``max_queue_time``, those the policy finds infeasible, and a standing
-        queue's requests predicted to start too late (``core.overload``; while some tenants
-        are ahead of their share, ``ahead``, only theirs: the overload is theirs)."""
-        if not self.waiting or (self.config.max_queue_time is None
-                                and self.config.scheduling_policy != "slo"
+        """Refuse the waiting requests that can no longer be served in time
+        (``core.shedding``), before the step's admission."""
+        cfg = self.config
+        if not self.waiting or (cfg.max_queue_time is None and cfg.scheduling_policy != "slo"
                                 and not self.overload.active):
             return  # nothing can be shed: keep the per-step cost at zero
-        limit = self.config.max_queue_time
-
-        def timed_out(waiting: list[Request]) -> list[tuple[Request, str]]:
-            return [(r, f"waited {now - r.arrival_time:.2f} s, longer than max_queue_time "
-                        f"{limit:g} s") for r in waiting if limit is not None
-                    and now - r.arrival_time > limit]
-
-        rules = (timed_out,
-                 lambda w: self.policy.infeasible(w, now, self.running, budget),
-                 lambda w: self.overload.shed(
-                     self.policy.waiting_order(w, now), self.running, now, budget,
-                     (lambda r: r.tenant not in ahead) if ahead else None))
-        shed: list[tuple[Request, str]] = []
-        for rule in rules:  # each sees the requests the ones before it kept
-            seen = {r.request_id for r, _ in shed}
-            shed += [(r, why) for r, why in rule([r for r in self.waiting if r.request_id not in seen])
-                     if r.first_scheduled_time is None]
-        for req, why in shed:
+        for req, why in requests_to_shed(self.waiting, self.running, now, budget, ahead, policy=self.policy,
+                                         overload=self.overload, max_queue_time=cfg.max_queue_time):
             req.shed_reason = why
             self.finish_request(req, RequestStatus.FINISHED_ABORTED)
             out.shed.append(req)

@@ -19,13 +19,13 @@ from inflight.core.output import Runner, SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.engine.inputs import tokenize_prompt
 from inflight.engine.output_processor import OutputProcessor
+from inflight.engine.request_rules import RequestRules
 from inflight.engine.stats import EngineStats
-from inflight.errors import InvalidRequestError
 from inflight.outputs import RequestOutput
 from inflight.profiling import StepTimer
 from inflight.request import Request, RequestOptions, RequestStatus
 from inflight.sampling_params import SamplingParams
-from inflight.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
+from inflight.structured_output import GrammarState, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Engine:
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache, max_model_len, clock)
         self.output_processor = OutputProcessor(tokenizer)
-        self.grammar_compiler = GrammarCompiler(tokenizer) if tokenizer is not None else None
+        self.rules = RequestRules(self.scheduler.check_prompt_fits, tokenizer)
         self._num_steps = 0
         self.last_plan: SchedulerOutput | None = None  # the last non-empty step's plan (step logs)
         # Per-request runner state to forget when a request ends (the sampler's generators);
@@ -91,7 +91,7 @@ class Engine:
     def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> int:
         """The engine's one prompt-fit rule (``Scheduler.check_prompt_fits``): returns
         ``max_tokens`` or its default; raises ``InvalidRequestError`` naming the field."""
-        return self.scheduler.check_prompt_fits(num_prompt_tokens, max_tokens)
+        return self.rules.check_prompt_fits(num_prompt_tokens, max_tokens)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams | None = None, *, stream: bool = False,
@@ -104,7 +104,8 @@ class Engine:
             prompt: text (tokenized here) or token ids.
             sampling_params: defaults to ``SamplingParams()``.
             stream: emit an output every step with only the new text/tokens (deltas);
-                otherwise one cumulative output when the request finishes.
+                otherwise one cumulative output when the request finishes. (The server's
+                ``AsyncEngine`` always streams; its ``final_only`` is about delivery.)
             arrival_time: seconds on ``clock``; now when None.
             options: priority and latency targets (``RequestOptions``).
 
@@ -134,12 +135,7 @@ class Engine:
         Raises:
             InvalidRequestError: the spec does not compile, or there is no tokenizer.
         """
-        if self.grammar_compiler is None:
-            raise InvalidRequestError("structured_outputs: needs the model's tokenizer")
-        try:
-            return self.grammar_compiler.compile(params)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+        return self.rules.compile_grammar(params)
 
     def abort_request(self, request_id: str, reason: str | None = None) -> bool:
         """Abort a request and all its sequences; frees their KV blocks at once.

@@ -268,4 +268,5 @@ def _metrics(requests: Sequence[Request]) -> RequestMetrics:
         arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
         first_token_time=first.first_token_time, last_token_time=first.last_token_time,
         finished_time=first.finished_time,
-        num_preemptions=sum(r.num_preemptions for r in requests))
+        num_preemptions=sum(r.num_preemptions for r in requests),
+        n=len(requests), max_tokens=first.sampling_params.max_tokens)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from inflight.config import EngineConfig
 from inflight.engine import Engine
 from inflight.outputs import RequestOutput
 from inflight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from inflight.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -26,12 +29,14 @@ class LLM:
         ValueError: an invalid engine argument (the message names it).
     """
 
-    def __init__(self, model: str | None = None, **engine_args) -> None:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
-    def get_tokenizer(self):
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (the engine's)."""
+        tokenizer: Tokenizer = self.engine.tokenizer
+        return tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -71,7 +76,7 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat
@@ -102,10 +107,13 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def _as_prompt_list(prompts) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or token ids) as a list of one; a list of prompts as it is."""
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    return prompts
+    items = list(prompts)
+    ids = [t for t in items if isinstance(t, int)]
+    if items and len(ids) == len(items):
+        return [ids]
+    # Not all token ids: a list of prompts, passed on as given (add_request checks each).
+    return cast(list[Prompt], items)

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-_SCALAR_FORMAT = {
+# Keyed by the IntEnum, looked up by the file's plain int type codes (equal hashes).
+_SCALAR_FORMAT: dict[int, str] = {
     GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
     GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
     GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
@@ -26,7 +27,7 @@ _SCALAR_FORMAT = {
 }
 
 
-def read_gguf_metadata(path: str | os.PathLike,
+def read_gguf_metadata(path: str | os.PathLike[str],
                        wanted: Callable[[str], bool] = lambda key: True) -> dict[str, Any]:
     """Return ``{key: value}`` for the metadata keys of a GGUF (v2/v3, little-endian) file.
 
@@ -38,7 +39,8 @@ def read_gguf_metadata(path: str | os.PathLike,
         return _read_kv(buf, path, wanted)[0]
 
 
-def _read_kv(buf: mmap.mmap, path, wanted: Callable[[str], bool]) -> tuple[dict[str, Any], int]:
+def _read_kv(buf: mmap.mmap, path: str | os.PathLike[str],
+             wanted: Callable[[str], bool]) -> tuple[dict[str, Any], int]:
     if buf[:4] != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (bad magic)")
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -112,7 +114,8 @@ class GGUFTensor:
     data: np.ndarray
 
 
-def read_gguf_tensors(path: str | os.PathLike) -> tuple[dict[str, Any], list[GGUFTensor]]:
+def read_gguf_tensors(
+        path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """Metadata and tensors of a GGUF file; tensor data stays memory-mapped.
 
     Raises:

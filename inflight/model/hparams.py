@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -34,7 +35,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
-    rope_scaling: dict | None = None
+    rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -54,7 +55,7 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """From a parsed HF ``config.json``.
 
         Raises:

@@ -7,60 +7,27 @@ rotate-half RoPE, SiLU-gated MLP); ``modeling_rope_utils.py`` for llama3 RoPE sc
 
 All non-attention work runs on one flattened ``[num_tokens, hidden]`` tensor for the whole
 step (selective batching, Orca OSDI 2022); attention is per request over its blocks
-(``inflight.model.attention``). Q/K/V and gate/up projections are fused at load time.
+(``inflight.model.attention``). Q/K/V and gate/up projections are fused at load time
+(``inflight.model.llama_weights``); RoPE is ``inflight.model.rope``.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from contextvars import ContextVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.hparams import ModelConfig
-from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS,
-                                    decode_layers, onednn_has_amx, quant_linear, rms_norm,
-                                    silu_and_mul, skinny_linear)
-from inflight.model.quant import QuantFormat, QuantizedWeight, format_of
-
-
-def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """RoPE inverse frequencies ``[head_dim // 2]`` float32, with the config's scaling.
-
-    Raises:
-        ValueError: an unsupported ``rope_scaling`` type.
-    """
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    if freq_factors is not None:  # GGUF stores llama3 scaling as per-dimension divisors
-        return (inv_freq / freq_factors.double()).float()
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
-        pass
-    elif kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, scaling)
-    else:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
-    return inv_freq.float()
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
+from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
+                                    quant_linear, rms_norm, silu_and_mul, skinny_linear)
+from inflight.model.kernels.native_lib import onednn_has_amx
+from inflight.model.llama_weights import fuse_hf_weights, quantize_fused, set_parameters
+from inflight.model.quant import QuantizedWeight
+from inflight.model.rope import apply_rope, rope_inv_freq
 
 
 def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -83,7 +50,7 @@ def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 _quantized_rows: ContextVar[int] = ContextVar("quantized_rows", default=0)
 
 
-class Linear(nn.Linear):
+class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not followed
     """``nn.Linear`` whose weight, on CPU, is prepacked once into oneDNN's blocked layout,
     and optionally also kept in a block format (``quant``, ``--quantization``).
 
@@ -124,7 +91,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
+    """RMSNorm (Zhang and Sennrich, 2019) with HF's rounding; ``[..., size]`` in and out."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
@@ -141,17 +110,10 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class Attention(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
+    """Self-attention with fused Q/K/V, RoPE and the paged KV cache; ``[T, hidden]`` in
+    and out."""
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[T, heads, head_dim]``; ``cos``/``sin`` ``[T, 1, head_dim]`` in x's dtype."""
-    return x * cos + _rotate_half(x) * sin
-
-
-class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -179,7 +141,9 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
-class MLP(nn.Module):
+class MLP(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
+    """The SiLU-gated MLP with fused gate/up; ``[T, hidden]`` in and out."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
@@ -195,7 +159,9 @@ class MLP(nn.Module):
         return self.down_proj(h)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
+    """Pre-norm attention and MLP blocks, each added to the residual stream."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -203,12 +169,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One pre-norm decoder layer over ``x`` ``[T, hidden]``: attention, then the MLP,
+        each added to the residual stream."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
     """The decoder stack and LM head.
 
     Args:
@@ -251,47 +220,24 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         if "rope_freqs" in state:
             self.inv_freq = rope_inv_freq(c, state["rope_freqs"])
-        fused: dict[str, torch.Tensor] = {}
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                [_take(state, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            if c.attention_bias:
-                fused[p + "self_attn.qkv_proj.bias"] = torch.cat(
-                    [_take(state, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [_take(state, p + "mlp.gate_proj.weight"), _take(state, p + "mlp.up_proj.weight")])
-            for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight",
-                      "input_layernorm.weight", "post_attention_layernorm.weight"):
-                fused[p + n] = _take(state, p + n)
-        fused["model.embed_tokens.weight"] = _take(state, "model.embed_tokens.weight")
-        fused["model.norm.weight"] = _take(state, "model.norm.weight")
-        if "lm_head.weight" in state and not c.tie_word_embeddings:
-            fused["lm_head.weight"] = state["lm_head.weight"]
-        else:
-            fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
-        quantized = _quantize(fused, c, quantization, blocks or {})
+        fused = fuse_hf_weights(state, c)
+        quantized = quantize_fused(fused, c, quantization, blocks or {})
         for name, qw in quantized.items():
             if quantization != "gguf":  # gguf: the state holds these blocks' values already
                 fused[name] = qw.dequantize()
         if c.tie_word_embeddings and "lm_head.weight" in quantized:
             fused["model.embed_tokens.weight"] = fused["lm_head.weight"]
-        params = dict(self.named_parameters(remove_duplicate=False))
-        for name, tensor in fused.items():
-            key = name.removeprefix("model.")
-            if key not in params:
-                raise ValueError(f"unexpected weight {name}")
-            if tuple(params[key].shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[key].shape)}")
-            module_name, _, attr = key.rpartition(".")
-            module = self.get_submodule(module_name)
-            setattr(module, attr, nn.Parameter(
-                tensor.to(device=self.device, dtype=self.dtype).contiguous(), requires_grad=False))
+        set_parameters(self, fused, self.device, self.dtype)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = self.inv_freq.to(self.device)
         self._decode_table = None
+        self._attach_quantized(quantized)
+
+    def _attach_quantized(self, quantized: dict[str, QuantizedWeight]) -> None:
+        """Prepack every linear layer, give the ``quantized`` ones their blocks, and set the
+        paths that follow from which are (``all_quantized``, ``fused_decode_rows``,
+        ``quantized_prompts``)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
@@ -382,7 +328,6 @@ class LlamaForCausalLM(nn.Module):
             seq_lens=meta.decode_seq_lens, block_size=kv.shape[3], num_blocks=kv.shape[2],
             scale=attn.scale)
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Run the decoder over the flattened step.
@@ -396,32 +341,33 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             Final hidden states ``[num_tokens, hidden_size]`` (normed), model dtype.
         """
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rope_cos_sin(positions)
-        # The LM head (compute_logits, next) follows the step's rule too: its first rows
-        # are the generated ones (each samples).
-        self._step_quant_rows = x.shape[0] if self.quantized_prompts else meta.num_generated
-        token = _quantized_rows.set(self._step_quant_rows)
-        try:
-            if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):
-                for layer, kv_cache in zip(self.layers, kv_caches):
-                    x = layer(x, cos, sin, kv_cache, meta)
-        finally:
-            _quantized_rows.reset(token)
-        return self.norm(x)
+        with torch.inference_mode():
+            x = self.embed_tokens(input_ids)
+            cos, sin = self.rope_cos_sin(positions)
+            # The LM head (compute_logits, next) follows the step's rule too: its first rows
+            # are the generated ones (each samples).
+            self._step_quant_rows = x.shape[0] if self.quantized_prompts else meta.num_generated
+            token = _quantized_rows.set(self._step_quant_rows)
+            try:
+                if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):
+                    for layer, kv_cache in zip(self.layers, kv_caches):
+                        x = layer(x, cos, sin, kv_cache, meta)
+            finally:
+                _quantized_rows.reset(token)
+            return self.norm(x)
 
-    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, prompt_rows: bool = False) -> torch.Tensor:
         """``[num_rows, hidden]`` -> ``[num_rows, vocab_size]`` float32 logits of the rows of
         the last ``forward`` (its quantized-rows rule applies), or with ``prompt_rows`` of
         prompt positions only (prompt logprobs), always through the dense LM head: where
         ``quantized_prompts`` sends the forward's prompt rows through the blocks, their
         logprobs still come from the dense weights, the more exact of the two."""
-        token = _quantized_rows.set(0 if prompt_rows else self._step_quant_rows)
-        try:
-            return self.lm_head(hidden).float()
-        finally:
-            _quantized_rows.reset(token)
+        with torch.inference_mode():
+            token = _quantized_rows.set(0 if prompt_rows else self._step_quant_rows)
+            try:
+                return self.lm_head(hidden).float()
+            finally:
+                _quantized_rows.reset(token)
 
 
 def _linear_columns(name: str, m: Linear) -> dict[str, int]:
@@ -434,43 +380,3 @@ def _linear_columns(name: str, m: Linear) -> dict[str, int]:
     return {name: q.qs.data_ptr(), f"{name}_fmt": int(q.fmt),
             f"{name}_scales": q.scales.data_ptr(),
             f"{name}_mins": 0 if q.mins is None else q.mins.data_ptr()}
-
-
-# Fused linear layers and the HF weights each is made of, in order.
-_FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                "self_attn.o_proj": ("self_attn.o_proj",),
-                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-                "mlp.down_proj": ("mlp.down_proj",)}
-
-
-def _quantize(fused: dict[str, torch.Tensor], c: ModelConfig, quantization: str,
-              blocks: dict[str, tuple[object, torch.Tensor]]) -> dict[str, QuantizedWeight]:
-    """``{fused weight name: QuantizedWeight}`` for ``load_weights``' ``quantization``."""
-    if quantization == "none":
-        return {}
-    if quantization not in ("gguf", "q8_0", "q4_0", "q4_1"):
-        raise ValueError(f"quantization {quantization!r}: use none, gguf, q8_0, q4_0 or q4_1")
-    names = {f"model.layers.{i}.{fused_name}.weight":
-             [f"model.layers.{i}.{p}.weight" for p in parts]
-             for i in range(c.num_hidden_layers) for fused_name, parts in _FUSED_PARTS.items()}
-    names["lm_head.weight"] = (["model.embed_tokens.weight"] if c.tie_word_embeddings
-                               else ["lm_head.weight"])
-    out: dict[str, QuantizedWeight] = {}
-    for name, parts in names.items():
-        if quantization == "gguf":
-            kinds = [format_of(blocks[p][0]) if p in blocks else None for p in parts]
-            if None in kinds or len(set(kinds)) != 1:
-                continue  # a type the kernel has not: this layer stays dense
-            out[name] = QuantizedWeight.from_blocks(   # fused: the parts' rows, in order
-                kinds[0], np.concatenate([blocks[p][1].numpy() for p in parts]))
-        else:
-            fmt = QuantFormat[quantization.upper()]
-            out[name] = QuantizedWeight.quantize(
-                fused[name], QuantFormat.Q8_0 if name == "lm_head.weight" else fmt)
-    return out
-
-
-def _take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    if name not in state:
-        raise ValueError(f"missing weight {name}")
-    return state[name]

@@ -42,7 +42,7 @@ _GGUF_GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def load_model(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a model's config and weights.
 
     Args:
@@ -65,7 +65,7 @@ def load_model(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Te
     return _load_gguf(p)
 
 
-def read_gguf_config(metadata: dict, tensor_names: set[str]) -> ModelConfig:
+def read_gguf_config(metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
     """``ModelConfig`` from a GGUF's metadata (``{arch}.*`` keys) and its tensor names.
 
     Raises:
@@ -75,7 +75,7 @@ def read_gguf_config(metadata: dict, tensor_names: set[str]) -> ModelConfig:
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
 
-    def get(key, default=None):
+    def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
 
     heads = get("attention.head_count")
@@ -132,7 +132,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
-def read_gguf_blocks(path: str | os.PathLike, config: ModelConfig,
+def read_gguf_blocks(path: str | os.PathLike[str], config: ModelConfig,
                      types: set[str] | None = None) -> dict[str, tuple[Any, torch.Tensor]]:
     """The raw blocks of a GGUF file's tensors, for ``--quantization gguf``: HF parameter
     names to ``(ggml type, uint8 [rows, bytes a row])`` copies, Q/K rows in HF's order (the

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 QK = 32  # values a block, every format here
 
@@ -35,8 +39,9 @@ class QuantFormat(enum.IntEnum):
     Q4_1 = 3
 
     @property
-    def ggml_type(self):  # gguf.GGMLQuantizationType, imported lazily (gguf pulls numpy only)
-        from gguf import GGMLQuantizationType
+    def ggml_type(self) -> GGMLQuantizationType:
+        """The GGUF tensor type of this format."""
+        from gguf import GGMLQuantizationType  # lazily: gguf pulls numpy only
         return GGMLQuantizationType[self.name]
 
 
@@ -44,7 +49,7 @@ class QuantFormat(enum.IntEnum):
 QUANTIZATION_CHOICES = ("none", "gguf", "q8_0", "q4_0", "q4_1")
 
 
-def format_of(ggml_type) -> QuantFormat | None:
+def format_of(ggml_type: object) -> QuantFormat | None:
     """The kernel format of a GGUF tensor type, or None when the kernel has none for it."""
     return QuantFormat.__members__.get(getattr(ggml_type, "name", ""))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,7 +51,7 @@ class OpenAIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
@@ -58,7 +59,7 @@ class OpenAIError(Exception):
 
 
 def error_body(message: str, type: str, param: str | None = None,
-               code: str | None = None) -> dict:
+               code: str | None = None) -> dict[str, Any]:
     """The JSON body of an error response (also the payload of an SSE error event)."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -108,13 +109,13 @@ def to_openai(e: EngineError, param_names: dict[str, str] | None = None) -> Open
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "set", "tuple"}
 
 
-def _is_field(p) -> bool:
+def _is_field(p: object) -> bool:
     # Our fields are snake_case; pydantic's union member tags are type names ("str",
     # "list[TextPart]", "TextPart", "function-after[...]").
     return isinstance(p, str) and p.isidentifier() and p == p.lower() and p not in _TYPE_TAGS
 
 
-def _path(loc: tuple, stop_at_tag: bool) -> str:
+def _path(loc: tuple[Any, ...], stop_at_tag: bool) -> str:
     # "messages[0].content" from ("body", "messages", 0, "content", "list[TextPart]", 0):
     # with stop_at_tag the path ends at the union (the field the client sent), without it
     # the member's tag is skipped and the path goes on to the part at fault.
@@ -131,7 +132,7 @@ def _path(loc: tuple, stop_at_tag: bool) -> str:
     return out
 
 
-def _param_of(loc: tuple) -> str | None:
+def _param_of(loc: tuple[Any, ...]) -> str | None:
     return _path(loc, stop_at_tag=True) or None
 
 
@@ -144,7 +145,7 @@ _EXPECTED = {
 }
 
 
-def _json_type(value) -> str:
+def _json_type(value: object) -> str:
     for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
                     (list, "array"), (dict, "object")):
         if isinstance(value, t):
@@ -171,11 +172,11 @@ def _describe(tag: str, plural: bool = False) -> str:
     return f"{words} objects" if plural else f"a {words} object"
 
 
-def _tag_of(loc: tuple) -> str | None:
+def _tag_of(loc: tuple[Any, ...]) -> str | None:
     return next((p for p in loc if isinstance(p, str) and p != "body" and not _is_field(p)), None)
 
 
-def _plain(e: dict) -> str:
+def _plain(e: dict[str, Any]) -> str:
     kind = e.get("type")
     if kind == "missing":
         return "is required"

@@ -2,7 +2,7 @@
 
 Everything the engine would refuse is refused here, with a 400 naming the API field:
 token ids outside the vocabulary, sampling values ``SamplingParams`` rejects, and what the
-engine's one prompt-fit rule refuses (``AsyncEngine.check_prompt_fits``:
+engine's one prompt-fit rule refuses (``EngineClient.check_prompt_fits``:
 ``prompt + max_tokens > max_model_len``, vLLM's rule, an absent ``max_tokens`` becoming
 ``max_model_len - prompt_len``; prompts the KV cache or the step budget can never hold).
 Engine errors become responses in one place, ``errors.to_openai``.
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from prometheus_client import CollectorRegistry
 
 from inflight.engine import inputs
-from inflight.engine.async_engine import AsyncEngine, Reservation
+from inflight.engine.admission import Reservation
+from inflight.engine.engine_client import EngineClient
 from inflight.engine.stream import RequestStream, merge_outputs
 from inflight.errors import EngineError
 from inflight.outputs import RequestOutput
@@ -37,7 +38,7 @@ from inflight.structured_output import StructuredOutputsParams
 class ServerContext:
     """What the routes share: the engine, the served names, metrics, token texts."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     model_names: list[str]
     metrics: ServerMetrics
     token_texts: TokenTexts
@@ -82,7 +83,7 @@ class ServerContext:
                               code="model_not_found")
 
 
-def check_prompt_len(engine: AsyncEngine, n: int, max_tokens: int | None,
+def check_prompt_len(engine: EngineClient, n: int, max_tokens: int | None,
                      param_names: dict[str, str] | None = None) -> int:
     """The engine's prompt-fit rule for ``n`` prompt tokens and ``max_tokens``; returns
     ``max_tokens`` (defaulted to ``max_model_len - n``), else a 400 naming the API field
@@ -155,7 +156,7 @@ def check_logit_bias(ctx: ServerContext, bias: dict[str, float]) -> None:
 
 
 def reserve(ctx: ServerContext, num_seqs: int) -> Reservation:
-    """Admit ``num_seqs`` sequences now (``AsyncEngine.reserve``), else 503 (400 for a call
+    """Admit ``num_seqs`` sequences now (``EngineClient.reserve``), else 503 (400 for a call
     that could never fit): asked after the body's cheap checks and before templating and
     tokenizing, so a refused request never waits behind accepted ones' work. The caller
     releases the reservation if it gives up before ``Generation.start``."""
@@ -196,7 +197,7 @@ class Generation:
         options: priority and latency targets for every prompt's request.
         param_names: engine field names -> this route's, for error bodies.
         stream: whether the call streams; a non-streamed one asks the engine for final
-            outputs only (``AsyncEngine.add_request(stream=False)``).
+            outputs only (``EngineClient.add_request(final_only=True)``).
         tenant: the call's place under its tenant's limits: charged with the prompt tokens
             at ``start`` and the generated ones as they come, released when the call ends.
     """
@@ -226,15 +227,13 @@ class Generation:
     def start(self) -> None:
         """Queue every prompt into the places ``reserve`` took for the whole call (prompts x
         ``n``); whatever fails, nothing of it stays queued and the places go back."""
-        metrics = self.ctx.metrics
         try:
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
-                metrics.expect(f"{self.request_id}-{i}", p.n, p.max_tokens)
                 self.streams.append(self.ctx.engine.add_request(
                     f"{self.request_id}-{i}", ids, p, arrival_time=self.arrival_time,
-                    options=self.options, reservation=self.reservation, stream=self.stream))
+                    options=self.options, reservation=self.reservation,
+                    final_only=not self.stream))
         except EngineError as e:
-            metrics.forget(f"{self.request_id}-{len(self.streams)}")  # never queued
             self.abort()
             raise to_openai(e, self.param_names) from None
         finally:
@@ -292,10 +291,6 @@ class Generation:
             async for item in _interleave(self.streams):
                 yield item[0], self._charged(_checked(item[1]))
         except EngineError as e:
-            # The call failed and its requests are aborted: no summary wants their params
-            # (one the engine failed on its thread never reaches the metrics listener).
-            for i in range(len(self.streams)):
-                self.ctx.metrics.forget(f"{self.request_id}-{i}")
             raise to_openai(e, self.param_names) from None
         finally:
             self.abort()
@@ -321,8 +316,8 @@ def _checked(out: RequestOutput) -> RequestOutput:
 
 
 async def _interleave(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    q: asyncio.Queue = asyncio.Queue()
-    done = object()
+    # Per stream: its outputs, then the exception that ended it or None (it ended).
+    q: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, s: RequestStream) -> None:
         try:
@@ -331,16 +326,16 @@ async def _interleave(streams: list[RequestStream]) -> AsyncIterator[tuple[int, 
         except Exception as e:  # handed to the consumer, which raises it
             q.put_nowait((i, e))
         finally:
-            q.put_nowait((i, done))
+            q.put_nowait((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
             i, item = await q.get()
-            if item is done:
+            if item is None:
                 remaining -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield i, item

@@ -9,6 +9,7 @@ The engine gives per token ``{token_id: logprob}``: the sampled token plus the t
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from inflight.outputs import CompletionOutput
 
@@ -34,7 +35,7 @@ _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 class TokenTexts:
     """Per-token text and bytes for logprobs, cached (the tokenizer is thread-safe)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
         decoder = getattr(getattr(tokenizer, "backend", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
@@ -57,7 +58,7 @@ class TokenTexts:
         return list(self.text(token_id).encode("utf-8"))
 
 
-def completion_logprobs(tt: TokenTexts, c: CompletionOutput, text_offset: int) -> dict:
+def completion_logprobs(tt: TokenTexts, c: CompletionOutput, text_offset: int) -> dict[str, Any]:
     """Legacy completions ``logprobs`` object for the tokens of ``c``."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, lp in zip(c.token_ids, c.logprobs or []):
@@ -76,7 +77,7 @@ _MIN_LOGPROB = -9999.0
 
 
 def echo_logprobs(tt: TokenTexts, prompt_ids: list[int],
-                  prompt_lps: list[dict[int, tuple[float, int]] | None] | None) -> dict:
+                  prompt_lps: list[dict[int, tuple[float, int]] | None] | None) -> dict[str, Any]:
     """The legacy ``logprobs`` object of an echoed prompt (``echo`` with ``logprobs``):
     the first token's logprob and alternatives are null, as OpenAI and vLLM send them.
     ``completion_logprobs`` of the generated tokens continues it at ``text_offset``
@@ -103,7 +104,7 @@ def echo_logprobs(tt: TokenTexts, prompt_ids: list[int],
 
 
 def prompt_logprobs(tt: TokenTexts,
-                    lps: list[dict[int, tuple[float, int]] | None] | None) -> list | None:
+                    lps: list[dict[int, tuple[float, int]] | None] | None) -> list[Any] | None:
     """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token_id:
     {"logprob", "rank", "decoded_token"}}`` of the token and the top-k."""
     if lps is None:
@@ -113,7 +114,7 @@ def prompt_logprobs(tt: TokenTexts,
         for t, (lp, rank) in e.items()} for e in lps]
 
 
-def chat_logprobs(tt: TokenTexts, c: CompletionOutput, top_k: int) -> dict:
+def chat_logprobs(tt: TokenTexts, c: CompletionOutput, top_k: int) -> dict[str, Any]:
     """Chat ``logprobs`` object: per token its logprob, bytes and ``top_k`` alternatives."""
     content = []
     for tid, lp in zip(c.token_ids, c.logprobs or []):

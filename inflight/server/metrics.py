@@ -33,7 +33,8 @@ Per-request histograms count user requests: a request with ``n > 1`` is one obse
 ``request_inference_time_seconds`` (first scheduling to the last token: prefill plus
 decode), ``request_time_per_output_token_seconds`` (the decode time over the first
 sequence's output tokens less one; 0 for a single token), ``request_params_n`` and
-``request_params_max_tokens`` (the request's ``n`` and effective ``max_tokens``). Like the
+``request_params_max_tokens`` (the request's ``n`` and effective ``max_tokens``, as its
+final output's ``RequestMetrics`` carries them). Like the
 other summaries they are recorded when the request finishes, aborted requests left out.
 
 Every series carries the label ``model_name`` (the served model name) as vLLM's do, so one
@@ -46,19 +47,17 @@ size in blocks, wherever the pool lives), ``cache_dtype``, ``enable_prefix_cachi
 
 from __future__ import annotations
 
-import math
-import threading
 import time
-from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 
+from inflight.engine.engine_client import EngineClient
 from inflight.engine.stats import EngineStats
 from inflight.outputs import RequestMetrics, RequestOutput
-from inflight.quantiles import percentile
+from inflight.server.metric_windows import SlidingWindow, WindowCollector, token_count_buckets
 
-QUANTILES = (0.5, 0.95, 0.99)
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -71,70 +70,62 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class SlidingWindow:
-    """Samples of the last ``window_s`` seconds (at most ``max_samples``), thread-safe.
+class EngineState(Protocol):
+    """What the gauges read at scrape time (an ``EngineClient`` has it)."""
 
-    Percentiles interpolate linearly between order statistics (numpy's default method).
+    @property
+    def num_waiting(self) -> int: ...
+
+    def get_stats(self) -> EngineStats: ...
+
+
+def config_labels(client: EngineClient, model_name: str) -> dict[str, str]:
+    """The labels of ``inflight:engine_config_info``."""
+    cfg = client.config
+    return {"model": model_name, "block_size": str(cfg.block_size),
+            "num_kv_blocks": str(client.num_kv_blocks),
+            "max_num_seqs": str(cfg.max_num_seqs),
+            "max_num_batched_tokens": str(cfg.max_num_batched_tokens),
+            "max_model_len": str(client.max_model_len), "batching_policy": cfg.batching_policy,
+            "enable_chunked_prefill": str(cfg.enable_chunked_prefill).lower()}
+
+
+def cache_config_labels(client: EngineClient) -> dict[str, str]:
+    """The labels of ``inflight:cache_config_info``, vLLM's ``cache_config_info`` names.
+
+    ``num_gpu_blocks`` is the KV pool in blocks wherever it lives (vLLM's name, which
+    dashboards and benchmark tools read); ``cache_dtype`` the pool's element type where the
+    runner has KV tensors, else the ``--kv-cache-dtype`` setting.
     """
-
-    def __init__(self, window_s: float, max_samples: int = 50_000) -> None:
-        self.window_s = window_s
-        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
-        self._lock = threading.Lock()
-
-    def add(self, value: float, now: float | None = None) -> None:
-        with self._lock:
-            self._samples.append((time.monotonic() if now is None else now, value))
-
-    def values(self, now: float | None = None) -> list[float]:
-        cutoff = (time.monotonic() if now is None else now) - self.window_s
-        with self._lock:
-            while self._samples and self._samples[0][0] < cutoff:
-                self._samples.popleft()
-            return [v for _, v in self._samples]
-
-    def summary(self, now: float | None = None) -> dict[str, float | int | None]:
-        """``{"count", "mean", "p50", "p95", "p99"}``; None values when the window is empty."""
-        vals = sorted(self.values(now))
-        out: dict[str, float | int | None] = {"count": len(vals),
-                                              "mean": sum(vals) / len(vals) if vals else None}
-        for q in QUANTILES:
-            out[f"p{round(q * 100)}"] = percentile(vals, q * 100)
-        return out
+    cfg = client.config
+    return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(client.num_kv_blocks),
+            "cache_dtype": client.kv_cache_dtype,
+            "enable_prefix_caching": str(cfg.enable_prefix_caching).lower()}
 
 
-def token_count_buckets(max_value: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``), for
-    per-request token-count histograms; always at least ``[1]``."""
-    buckets: list[int] = []
-    scale = 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > max_value:
-                return buckets or [1]
-            buckets.append(m * scale)
-        scale *= 10
+class _Series:
+    """Makes the metrics of one registry, each reduced to the one series (label values)
+    this server writes."""
 
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry = registry
+        self.labels = labels
+        self.names = list(labels)
 
-class _WindowCollector:
-    """Exposes the windows as gauges computed at scrape time."""
+    def child(self, metric: Any) -> Any:
+        return metric.labels(**self.labels) if self.labels else metric
 
-    def __init__(self, windows: dict[str, SlidingWindow], labels: dict[str, str]) -> None:
-        self._windows = windows
-        self._labels = labels
+    def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        h: Histogram = self.child(Histogram(name, doc, self.names, buckets=buckets,
+                                            registry=self.registry))
+        return h
 
-    def collect(self):
-        for name, window in self._windows.items():
-            fam = GaugeMetricFamily(
-                f"inflight:{name}_window",
-                f"{name} quantiles over the last {window.window_s:g} s (exact, not bucketed)",
-                labels=["quantile", *self._labels])
-            summary = window.summary()
-            for q in QUANTILES:
-                value = summary[f"p{round(q * 100)}"]
-                fam.add_metric([f"{q:g}", *self._labels.values()],
-                               math.nan if value is None else value)
-            yield fam
+    def counter(self, name: str, doc: str) -> Counter:
+        c: Counter = self.child(Counter(name, doc, self.names, registry=self.registry))
+        return c
+
+    def gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self.child(Gauge(name, doc, self.names, registry=self.registry)).set_function(read)
 
 
 class ServerMetrics:
@@ -142,7 +133,7 @@ class ServerMetrics:
 
     Args:
         engine_state: an object with ``get_stats() -> EngineStats`` and ``num_waiting``
-            (the ``AsyncEngine``); gauges read it at scrape time. Its ``max_model_len``,
+            (the ``EngineClient``); gauges read it at scrape time. Its ``max_model_len``,
             when it has one, tops the per-request token-count buckets.
         window_s: length of the percentile window, seconds.
         max_num_batched_tokens: upper bucket of ``inflight:iteration_tokens_total``.
@@ -153,112 +144,25 @@ class ServerMetrics:
             ``block_size``, ``num_gpu_blocks``, ``cache_dtype``, ``enable_prefix_caching``).
     """
 
-    def __init__(self, engine_state, *, window_s: float = 60.0,
+    def __init__(self, engine_state: EngineState, *, window_s: float = 60.0,
                  max_num_batched_tokens: int = 8192,
                  config_labels: dict[str, str] | None = None,
                  model_name: str | None = None,
                  cache_config: dict[str, str] | None = None) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self._engine_state = engine_state
         self.model_name = model_name
         lab = {} if model_name is None else {"model_name": model_name}
-        names = list(lab)
-
-        def child(metric):  # the one series of ``metric`` this server writes
-            return metric.labels(**lab) if lab else metric
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return child(Histogram(name, doc, names, buckets=buckets, registry=r))
-
-        def counter(name: str, doc: str) -> Counter:
-            return child(Counter(name, doc, names, registry=r))
-
-        def gauge(name: str, doc: str, read) -> None:
-            child(Gauge(name, doc, names, registry=r)).set_function(read)
-
-        self.ttft = histogram("inflight:time_to_first_token_seconds",
-                              "Time from arrival to the first output token.", _TTFT_BUCKETS)
-        self.itl = histogram("inflight:inter_token_latency_seconds",
-                             "Time between consecutive output tokens of a sequence.",
-                             _ITL_BUCKETS)
-        self.e2e = histogram("inflight:e2e_request_latency_seconds",
-                             "Time from arrival to finish, requests not aborted.",
-                             _REQUEST_BUCKETS)
-        self.queue_time = histogram("inflight:request_queue_time_seconds",
-                                    "Time from arrival to first scheduling (WAITING phase).",
-                                    _REQUEST_BUCKETS)
-        self.inference_time = histogram(
-            "inflight:request_inference_time_seconds",
-            "Time from first scheduling to the last token (RUNNING phase: prefill + decode).",
-            _REQUEST_BUCKETS)
-        self.prefill_time = histogram("inflight:request_prefill_time_seconds",
-                                      "Time from first scheduling to the first token.",
-                                      _REQUEST_BUCKETS)
-        self.decode_time = histogram("inflight:request_decode_time_seconds",
-                                     "Time from the first to the last token.", _REQUEST_BUCKETS)
-        self.request_tpot = histogram(
-            "inflight:request_time_per_output_token_seconds",
-            "Per request: decode time over its output tokens less one (first sequence).",
-            _ITL_BUCKETS)
+        series = _Series(self.registry, lab)
+        self._add_latency_series(series)
         max_len = getattr(engine_state, "max_model_len", None) or _DEFAULT_MAX_MODEL_LEN
-        token_buckets = token_count_buckets(max_len)
-        self.request_prompt_tokens = histogram(
-            "inflight:request_prompt_tokens", "Prompt tokens per request, requests not aborted.",
-            token_buckets)
-        self.request_generation_tokens = histogram(
-            "inflight:request_generation_tokens",
-            "Output tokens per request (all its sequences), requests not aborted.",
-            token_buckets)
-        self.request_params_n = histogram("inflight:request_params_n",
-                                          "The n request parameter.", _REQUEST_PARAMS_N_BUCKETS)
-        self.request_params_max_tokens = histogram(
-            "inflight:request_params_max_tokens",
-            "The max_tokens request parameter (as the engine applied it: defaulted to what "
-            "the context leaves when the request gave none).", token_buckets)
-        buckets = [1]
-        while buckets[-1] < max_num_batched_tokens:
-            buckets.append(buckets[-1] * 2)
-        self.iteration_tokens = histogram("inflight:iteration_tokens_total",
-                                          "Tokens computed (prompt) and sampled per engine step.",
-                                          buckets)
-        gauge("inflight:num_requests_running", "Sequences running in the engine.",
-              lambda: engine_state.get_stats().num_running)
-        gauge("inflight:num_requests_waiting", "Sequences waiting for admission.",
-              lambda: engine_state.num_waiting)
-        gauge("inflight:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
-              lambda: engine_state.get_stats().kv_cache_usage)
-        self.prompt_tokens = counter("inflight:prompt_tokens",
-                                     "Prompt tokens of requests that got a first token.")
-        self.generation_tokens = counter("inflight:generation_tokens", "Output tokens sampled.")
-        self.preemptions = counter("inflight:num_preemptions", "Preemptions.")
-        self.prefix_cache_queries = counter(
-            "inflight:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
-            "(first admissions; readmissions after preemption are not counted).")
-        self.prefix_cache_hits = counter(
-            "inflight:prefix_cache_hits", "Prompt tokens found in the prefix cache "
-            "(first admissions; readmissions after preemption are not counted).")
-        self.recomputed_tokens = counter(
-            "inflight:num_recomputed_tokens", "Tokens computed again after preemption "
-            "(those a preempted request had computed, less what the prefix cache gave back).")
-        self._request_success = Counter(
-            "inflight:request_success", "Finished sequences, by finish reason "
-            "(stop, length, abort; error when the engine failed the request).",
-            ["finished_reason", *names], registry=r)
-        self.requests_shed = counter(
-            "inflight:requests_shed", "Requests rejected by load shedding (--overload-ttft, --max-queue-time, "
-            "the slo policy) with a 503; their sequences also count as finished_reason abort.")
-        if config_labels:
-            child(Info("inflight:engine_config", "Engine settings.", names,
-                       registry=r)).info(config_labels)
-        if cache_config:
-            # vLLM emulates an Info with a gauge at 1: same series name, type gauge.
-            info = {**cache_config, **lab}
-            Gauge("inflight:cache_config_info", "KV cache configuration (vLLM's CacheConfig).",
-                  list(info), registry=r).labels(**info).set(1)
+        self._add_token_series(series, token_count_buckets(max_len), max_num_batched_tokens)
+        self._add_engine_series(series, engine_state)
+        self._add_info(series, config_labels, cache_config)
         self.windows = {"time_to_first_token_seconds": SlidingWindow(window_s),
                         "inter_token_latency_seconds": SlidingWindow(window_s),
                         "e2e_request_latency_seconds": SlidingWindow(window_s)}
-        r.register(_WindowCollector(self.windows, lab))
+        self.registry.register(WindowCollector(self.windows, lab))
         self.window_s = window_s
         # Counter deltas start from now: an engine reused by a second app keeps its history.
         self._last_stats: EngineStats = engine_state.get_stats()
@@ -266,24 +170,106 @@ class ServerMetrics:
         # Output tokens by user request and sequence index, until the request finishes.
         self._num_output_tokens: dict[str, dict[int, int]] = {}
         self._last_emit: dict[tuple[str, int], float] = {}
-        # (n, max_tokens) of requests the server queued (``expect``), until they finish.
-        self._params: dict[str, tuple[int, int | None]] = {}
         # Plain mirrors of the two token counters for /stats (ints: atomic to read).
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
 
-    # --- the event loop: what the engine's outputs do not say ------------------------------
-    def expect(self, request_id: str, n: int, max_tokens: int | None) -> None:
-        """Note the ``n`` and ``max_tokens`` of a request about to be queued, for
-        ``request_params_n`` and ``request_params_max_tokens`` when it finishes (the engine's
-        outputs do not carry its sampling parameters). Call before ``add_request``; the entry
-        goes when the request's final output is seen, or with ``forget``."""
-        self._params[request_id] = (n, max_tokens)
+    @classmethod
+    def for_client(cls, client: EngineClient, model_name: str,
+                   window_s: float = 60.0) -> "ServerMetrics":
+        """The metrics of a server (or replica) of ``client``, labelled with its settings."""
+        return cls(client, window_s=window_s,
+                   max_num_batched_tokens=client.config.max_num_batched_tokens,
+                   config_labels=config_labels(client, model_name), model_name=model_name,
+                   cache_config=cache_config_labels(client))
 
-    def forget(self, request_id: str) -> None:
-        """Drop what ``expect`` noted for a request that failed or was never queued; a
-        failed request records no per-request summary, so this never loses one."""
-        self._params.pop(request_id, None)
+    def _add_latency_series(self, s: _Series) -> None:
+        self.ttft = s.histogram("inflight:time_to_first_token_seconds",
+                                "Time from arrival to the first output token.", _TTFT_BUCKETS)
+        self.itl = s.histogram("inflight:inter_token_latency_seconds",
+                               "Time between consecutive output tokens of a sequence.",
+                               _ITL_BUCKETS)
+        self.e2e = s.histogram("inflight:e2e_request_latency_seconds",
+                               "Time from arrival to finish, requests not aborted.",
+                               _REQUEST_BUCKETS)
+        self.queue_time = s.histogram("inflight:request_queue_time_seconds",
+                                      "Time from arrival to first scheduling (WAITING phase).",
+                                      _REQUEST_BUCKETS)
+        self.inference_time = s.histogram(
+            "inflight:request_inference_time_seconds",
+            "Time from first scheduling to the last token (RUNNING phase: prefill + decode).",
+            _REQUEST_BUCKETS)
+        self.prefill_time = s.histogram("inflight:request_prefill_time_seconds",
+                                        "Time from first scheduling to the first token.",
+                                        _REQUEST_BUCKETS)
+        self.decode_time = s.histogram("inflight:request_decode_time_seconds",
+                                       "Time from the first to the last token.", _REQUEST_BUCKETS)
+        self.request_tpot = s.histogram(
+            "inflight:request_time_per_output_token_seconds",
+            "Per request: decode time over its output tokens less one (first sequence).",
+            _ITL_BUCKETS)
+
+    def _add_token_series(self, s: _Series, token_buckets: list[int],
+                          max_num_batched_tokens: int) -> None:
+        self.request_prompt_tokens = s.histogram(
+            "inflight:request_prompt_tokens", "Prompt tokens per request, requests not aborted.",
+            token_buckets)
+        self.request_generation_tokens = s.histogram(
+            "inflight:request_generation_tokens",
+            "Output tokens per request (all its sequences), requests not aborted.",
+            token_buckets)
+        self.request_params_n = s.histogram("inflight:request_params_n",
+                                            "The n request parameter.", _REQUEST_PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = s.histogram(
+            "inflight:request_params_max_tokens",
+            "The max_tokens request parameter (as the engine applied it: defaulted to what "
+            "the context leaves when the request gave none).", token_buckets)
+        buckets = [1]
+        while buckets[-1] < max_num_batched_tokens:
+            buckets.append(buckets[-1] * 2)
+        self.iteration_tokens = s.histogram("inflight:iteration_tokens_total",
+                                            "Tokens computed (prompt) and sampled per engine step.",
+                                            buckets)
+
+    def _add_engine_series(self, s: _Series, engine_state: EngineState) -> None:
+        s.gauge("inflight:num_requests_running", "Sequences running in the engine.",
+                lambda: engine_state.get_stats().num_running)
+        s.gauge("inflight:num_requests_waiting", "Sequences waiting for admission.",
+                lambda: engine_state.num_waiting)
+        s.gauge("inflight:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                lambda: engine_state.get_stats().kv_cache_usage)
+        self.prompt_tokens = s.counter("inflight:prompt_tokens",
+                                       "Prompt tokens of requests that got a first token.")
+        self.generation_tokens = s.counter("inflight:generation_tokens", "Output tokens sampled.")
+        self.preemptions = s.counter("inflight:num_preemptions", "Preemptions.")
+        self.prefix_cache_queries = s.counter(
+            "inflight:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+            "(first admissions; readmissions after preemption are not counted).")
+        self.prefix_cache_hits = s.counter(
+            "inflight:prefix_cache_hits", "Prompt tokens found in the prefix cache "
+            "(first admissions; readmissions after preemption are not counted).")
+        self.recomputed_tokens = s.counter(
+            "inflight:num_recomputed_tokens", "Tokens computed again after preemption "
+            "(those a preempted request had computed, less what the prefix cache gave back).")
+        self._request_success = Counter(
+            "inflight:request_success", "Finished sequences, by finish reason "
+            "(stop, length, abort; error when the engine failed the request).",
+            ["finished_reason", *s.names], registry=s.registry)
+        self.requests_shed = s.counter(
+            "inflight:requests_shed", "Requests rejected by load shedding (--overload-ttft, --max-queue-time, "
+            "the slo policy) with a 503; their sequences also count as finished_reason abort.")
+
+    @staticmethod
+    def _add_info(s: _Series, config_labels: dict[str, str] | None,
+                  cache_config: dict[str, str] | None) -> None:
+        if config_labels:
+            s.child(Info("inflight:engine_config", "Engine settings.", s.names,
+                         registry=s.registry)).info(config_labels)
+        if cache_config:
+            # vLLM emulates an Info with a gauge at 1: same series name, type gauge.
+            info = {**cache_config, **s.labels}
+            Gauge("inflight:cache_config_info", "KV cache configuration (vLLM's CacheConfig).",
+                  list(info), registry=s.registry).labels(**info).set(1)
 
     # --- the engine-thread listener -------------------------------------------------------
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
@@ -338,16 +324,15 @@ class ServerMetrics:
             for key in [k for k in self._last_emit if k[0] == rid]:
                 del self._last_emit[key]
             per_seq = self._num_output_tokens.pop(rid, {})
-            params = self._params.pop(rid, None)
             aborted = out.error or any(c.finish_reason == "abort" for c in out.outputs)
             if aborted:
                 return  # per-request summaries leave aborted requests out (module docstring)
             self.request_prompt_tokens.observe(len(out.prompt_token_ids))
             self.request_generation_tokens.observe(sum(per_seq.values()))
-            if params is not None:
-                self.request_params_n.observe(params[0])
-                if params[1] is not None:
-                    self.request_params_max_tokens.observe(params[1])
+            if m is not None and m.n is not None:
+                self.request_params_n.observe(m.n)
+                if m.max_tokens is not None:
+                    self.request_params_max_tokens.observe(m.max_tokens)
             if m is not None and m.finished_time is not None:
                 self._observe_latencies(m, per_seq.get(0, 0), now)
 
@@ -382,7 +367,7 @@ class ServerMetrics:
         """The Prometheus text exposition of this app's registry."""
         return generate_latest(self.registry)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """``GET /stats``: window percentiles plus the current engine gauges and counters."""
         s = self._engine_state.get_stats()
         now = time.monotonic()

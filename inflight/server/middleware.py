@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from inflight.errors import EngineError
 from inflight.server.error_responses import error_body, to_openai
 from inflight.server.tenants import TenantKeys
@@ -26,12 +28,12 @@ class ApiKeyMiddleware:
     the key in a middleware too).
     """
 
-    def __init__(self, app, keys: TenantKeys, protected: Callable[[str], bool]) -> None:
+    def __init__(self, app: ASGIApp, keys: TenantKeys, protected: Callable[[str], bool]) -> None:
         self.app = app
         self.keys = keys
         self.protected = protected
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.protected(scope["path"]):
             got = dict(scope.get("headers") or ()).get(b"authorization", b"")
             tenant = self.keys.tenant(got)
@@ -58,13 +60,13 @@ class AdmissionMiddleware:
         paths: the routes that queue sequences.
     """
 
-    def __init__(self, app, refusal: Callable[[], EngineError | None],
+    def __init__(self, app: ASGIApp, refusal: Callable[[], EngineError | None],
                  paths: frozenset[str]) -> None:
         self.app = app
         self.refusal = refusal
         self.paths = paths
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
             error = self.refusal()
             if error is not None:
@@ -79,11 +81,11 @@ class BodySizeLimitMiddleware:
     ``receive()`` calls (disconnect notices) pass through.
     """
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -110,7 +112,7 @@ class BodySizeLimitMiddleware:
             more = message.get("more_body", False)
         replayed = False
 
-        async def replay():
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -119,12 +121,12 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send) -> None:
+    async def _too_large(self, send: Send) -> None:
         await _reply(send, 413, f"request body exceeds {self.max_bytes} bytes",
                      code="request_too_large")
 
 
-async def _reply(send, status: int, message: str, code: str | None = None,
+async def _reply(send: Send, status: int, message: str, code: str | None = None,
                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
     payload = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
     await send({"type": "http.response.start", "status": status,

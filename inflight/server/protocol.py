@@ -13,7 +13,7 @@ Value ranges of sampling fields are checked by ``SamplingParams``, which names t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Any, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.config import JsonDict
@@ -66,7 +66,7 @@ UNSUPPORTED_FIELDS = frozenset({
 })
 
 
-def _is_inert(name: str, value, n: int) -> bool:
+def _is_inert(name: str, value: Any, n: int) -> bool:
     """Whether an unsupported field's value asks for nothing beyond the defaults."""
     if value is None or value is False or value in ("", {}, []):
         return True
@@ -80,7 +80,7 @@ class JsonSchemaFormat(_Strict):
                               populate_by_name=True)
     name: str | None = None
     description: str | None = None
-    schema_: dict | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -98,7 +98,7 @@ class StructuredOutputsField(_Strict):
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False,
                               populate_by_name=True)
-    json_: dict | str | None = Field(None, alias="json")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -148,7 +148,7 @@ class SamplingRequest(_Strict):
     # Structured output (``server/structured.py`` maps these; at most one per request).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
-    guided_json: dict | str | None = None
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -251,14 +251,14 @@ class ChatMessage(_Strict):
 
     @field_validator("tool_calls")
     @classmethod
-    def _calls_from_assistant(cls, v, info: ValidationInfo):
+    def _calls_from_assistant(cls, v: Any, info: ValidationInfo) -> Any:
         if v and info.data.get("role") != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         return v
 
     @field_validator("content")
     @classmethod
-    def _content_or_calls(cls, v, info: ValidationInfo):
+    def _content_or_calls(cls, v: Any, info: ValidationInfo) -> Any:
         if v is None and not (info.data.get("role") == "assistant"
                               and info.data.get("tool_calls")):
             raise ValueError("required unless an assistant message has tool_calls")
@@ -270,7 +270,7 @@ class FunctionDefinition(_Strict):
 
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
     description: str | None = None
-    parameters: dict | None = None
+    parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 

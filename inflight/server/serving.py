@@ -12,18 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from inflight.outputs import RequestOutput
+from inflight.outputs import CompletionOutput, RequestOutput
 from inflight.server.error_responses import OpenAIError, bad_request
 from inflight.server.generation import (Generation, ServerContext, build_sampling_params,
                                         check_common, check_prompt_len, check_token_ids,
                                         encode, reserve)
 from inflight.server.logprobs import (chat_logprobs, completion_logprobs, echo_logprobs,
                                       prompt_logprobs)
-from inflight.server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from inflight.server.protocol import (COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, ChatMessage,
+                                      CompletionRequest)
 from inflight.server.structured import check_structured_outputs
 from inflight.server.tenants import TenantLease
 from inflight.server.tools import plan_tools, template_tool_call
@@ -54,7 +55,7 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
     if isinstance(req.prompt, str):
         raw = [req.prompt]
     elif req.prompt and isinstance(req.prompt[0], int):
-        raw = [[int(t) for t in req.prompt]]  # type: ignore[union-attr]
+        raw = [[int(t) for t in req.prompt]]
     else:
         raw = req.prompt  # type: ignore[assignment]
     if not raw:
@@ -109,7 +110,7 @@ def check_completion_fields(req: CompletionRequest) -> None:
                               param="best_of")
 
 
-def _cumulative_logprob(c) -> float:
+def _cumulative_logprob(c: CompletionOutput) -> float:
     return sum(lp.get(t, 0.0) for t, lp in zip(c.token_ids, c.logprobs or []))
 
 
@@ -146,13 +147,13 @@ def completion_choices(gen: Generation, req: CompletionRequest, i: int,
     return choices
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
 def completion_response(gen: Generation, req: CompletionRequest,
-                        finals: list[RequestOutput]) -> dict:
+                        finals: list[RequestOutput]) -> dict[str, Any]:
     """The non-streamed ``text_completion`` object."""
     choices: list[dict[str, Any]] = []
     completion_tokens = 0  # every generated token, best_of's dropped candidates included
@@ -164,14 +165,18 @@ def completion_response(gen: Generation, req: CompletionRequest,
             "usage": _usage(gen.num_prompt_tokens, completion_tokens)}
 
 
-def sse(data: dict | str) -> str:
+def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event carrying ``data`` (JSON unless already a string)."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n"
 
 
-async def _sse_stream(gen: Generation, req, obj: str, choice,
-                      opening: list[dict] | None = None) -> AsyncIterator[str]:
+# Builds one streamed choice from (prompt index, completion delta, output), or None.
+ChoiceFn = Callable[[int, CompletionOutput, RequestOutput], "dict[str, Any] | None"]
+
+async def _sse_stream(gen: Generation, req: CompletionRequest | ChatCompletionRequest,
+                      obj: str, choice: ChoiceFn,
+                      opening: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
     """The SSE loop both routes share: the ``opening`` choices (chat's role chunks), one
     event per visible choice delta, an error event if the engine fails mid-stream (the 200
     is sent), a usage chunk if asked, ``[DONE]``.
@@ -183,12 +188,12 @@ async def _sse_stream(gen: Generation, req, obj: str, choice,
     """
     opts = req.stream_options
     include_usage = opts is not None and opts.include_usage
-    continuous = include_usage and opts.continuous_usage_stats
+    continuous = include_usage and opts is not None and opts.continuous_usage_stats
     completion_tokens = 0
     base = {"id": gen.request_id, "object": obj, "created": gen.created,
             "model": gen.ctx.model_name}
 
-    def chunk(choices: list[dict]) -> str:
+    def chunk(choices: list[dict[str, Any]]) -> str:
         body = {**base, "choices": choices}
         if include_usage:
             body["usage"] = _usage(gen.num_prompt_tokens, completion_tokens) if continuous else None
@@ -203,9 +208,9 @@ async def _sse_stream(gen: Generation, req, obj: str, choice,
             return
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            body = choice(i, c, out)
-            if body is not None:
-                yield chunk([body])
+            delta = choice(i, c, out)
+            if delta is not None:
+                yield chunk([delta])
     if include_usage:
         yield sse({**base, "choices": [], "usage": _usage(gen.num_prompt_tokens, completion_tokens)})
     yield sse("[DONE]")
@@ -215,9 +220,9 @@ def stream_completion(gen: Generation, req: CompletionRequest) -> AsyncIterator[
     """SSE ``text_completion`` chunks, then a usage chunk if asked, then ``[DONE]``."""
     tt = gen.ctx.token_texts
     offsets: dict[int, int] = {}
-    prompt_lps: dict[int, list] = {}  # by prompt: the echoed prompt's logprobs
+    prompt_lps: dict[int, list[Any]] = {}  # by prompt: the echoed prompt's logprobs
 
-    def choice(i: int, c, out: RequestOutput) -> dict | None:
+    def choice(i: int, c: CompletionOutput, out: RequestOutput) -> dict[str, Any] | None:
         index = i * gen.n + c.index
         if out.prompt_logprobs is not None:
             prompt_lps[i] = out.prompt_logprobs
@@ -293,8 +298,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         raise
 
 
-async def render_chat(ctx: ServerContext, messages: list[dict], add_generation_prompt: bool,
-                      tools: list[dict] | None = None) -> str:
+async def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text of ``messages`` through the model's chat template, off the event loop.
 
     Raises:
@@ -312,7 +317,7 @@ async def render_chat(ctx: ServerContext, messages: list[dict], add_generation_p
         raise bad_request(str(e), param="messages") from None
 
 
-def render_messages(messages) -> list[dict]:
+def render_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Plain dicts for the chat template."""
     out = []
     for m in messages:
@@ -328,7 +333,7 @@ def render_messages(messages) -> list[dict]:
 
 
 def chat_response(gen: Generation, req: ChatCompletionRequest,
-                  finals: list[RequestOutput]) -> dict:
+                  finals: list[RequestOutput]) -> dict[str, Any]:
     """The non-streamed ``chat.completion`` object."""
     tt = gen.ctx.token_texts
     out = finals[0]
@@ -360,8 +365,8 @@ def stream_chat(gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[st
     plan = plan_tools(gen.ctx, req)  # validated when the request was prepared
     streams = {i: plan.streamer() for i in range(gen.n)} if plan is not None else {}
 
-    def choice(_: int, c, __: RequestOutput) -> dict | None:
-        delta: dict | None = {"content": c.text}
+    def choice(_: int, c: CompletionOutput, __: RequestOutput) -> dict[str, Any] | None:
+        delta: dict[str, Any] | None = {"content": c.text}
         finish_reason = c.finish_reason
         if plan is not None:
             delta, finish_reason = streams[c.index].delta(c.text, c.finish_reason)

@@ -12,7 +12,7 @@ request is queued, so a bad schema, regex or grammar is a 400 naming its field.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from inflight.errors import EngineError, InvalidRequestError
 from inflight.server.error_responses import bad_request, to_openai
@@ -32,7 +32,7 @@ def structured_outputs_of(req: SamplingRequest) -> tuple[StructuredOutputsParams
     """
     found: list[tuple[StructuredOutputsParams, str]] = []
 
-    def add(field: str, **spec) -> None:
+    def add(field: str, **spec: Any) -> None:
         try:
             found.append((StructuredOutputsParams(**spec), field))
         except ValueError as e:

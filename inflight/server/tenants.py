@@ -17,6 +17,7 @@ past it, and the next one waits until the window has room).
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import secrets
@@ -107,7 +108,7 @@ class TenantKeys:
 @dataclass
 class _Usage:
     in_flight: int = 0
-    tokens: deque = field(default_factory=deque)  # (monotonic seconds, tokens)
+    tokens: deque[tuple[float, int]] = field(default_factory=deque)  # (monotonic seconds, tokens)
     total: int = 0  # tokens in ``tokens``
 
 
@@ -250,7 +251,7 @@ class TenantSettings:
     shared_prefix_cache: bool = True
 
     @classmethod
-    def from_cli_args(cls, args, env_key: str | None = None) -> "TenantSettings":
+    def from_cli_args(cls, args: argparse.Namespace, env_key: str | None = None) -> "TenantSettings":
         """From ``--api-key`` (repeated), ``--api-key-file``, the ``env_key`` value (an
         unnamed key, used when no flag gives one), the limit flags and
         ``--shared-prefix-cache`` (default: shared unless a key names a tenant).
@@ -271,7 +272,7 @@ class TenantSettings:
                    shared)
 
 
-def add_tenant_args(p) -> None:
+def add_tenant_args(p: argparse.ArgumentParser) -> None:
     """``inflight serve``'s tenant flags on the argparse parser ``p``."""
     import argparse
 

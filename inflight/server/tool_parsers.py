@@ -99,3 +99,16 @@ CALL_OPENINGS: dict[str, tuple[str, ...]] = {
     "hermes": (_HERMES_START,),
     "llama3_json": ("{", _PYTHON_TAG),
 }
+
+
+def check_tool_choice_flags(tool_call_parser: str | None, enable_auto_tool_choice: bool) -> None:
+    """``--tool-call-parser`` and ``--enable-auto-tool-choice`` together (vLLM's rule).
+
+    Raises:
+        ValueError: an unknown parser, or auto tool choice without one.
+    """
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, "
+                         f"got {tool_call_parser!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: needs --tool-call-parser")

@@ -41,7 +41,7 @@ def _call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _call(name: str, arguments: str, index: int | None = None) -> dict:
+def _call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": _call_id(), "type": "function",
                            "function": {"name": name, "arguments": arguments}}
     if index is not None:
@@ -63,7 +63,7 @@ class ToolPlan:
     """
 
     mode: str
-    tools: list[dict]
+    tools: list[dict[str, Any]]
     name: str | None = None
     parser: str | None = None
     structured: StructuredOutputsParams | None = field(default=None)
@@ -85,7 +85,7 @@ class ToolPlan:
             return TOOL_PARSERS[self.parser](text)
         return text, []
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The choice's ``message`` and its ``finish_reason``."""
         content, calls = self.calls(text)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
@@ -128,7 +128,7 @@ class ToolStream:
             return 0
         return len(text)
 
-    def delta(self, text: str, finish_reason: str | None) -> tuple[dict | None, str | None]:
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """The delta for ``text`` (new since the last call) and the finish reason to send;
         None when there is nothing to show yet."""
         self.text += text
@@ -162,7 +162,7 @@ class ToolStream:
             finish_reason
 
 
-def _required_schema(tools: list[dict], parallel: bool = True) -> dict:
+def _required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
     """vLLM's schema for ``tool_choice: "required"``: a non-empty array of calls, each
     ``{"name": one tool's name, "parameters": that tool's parameters}``; with ``parallel``
     False (OpenAI's ``parallel_tool_calls: false``) exactly one call."""
@@ -218,7 +218,7 @@ def plan_tools(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan | Non
     return plan
 
 
-def template_tool_call(call: Any) -> dict:
+def template_tool_call(call: Any) -> dict[str, Any]:
     """A history message's tool call as chat templates read it: ``function.arguments`` a
     dict where it is a JSON object (HF's convention; templates ``tojson`` it), else the
     text as sent."""

@@ -1,3 +1,4 @@
-"""The discrete-event simulator: the real engine on a virtual clock (``cluster``), step-time
-profiles measured (``measure``, ``profile``) or derived by roofline (``roofline``), and the
-bench glue (``bench``: ``inflight bench ... --simulate``). See docs/simulator.md."""
+"""The discrete-event simulator: the real engine on a virtual clock (``simulator``,
+``virtual_replica``), step-time profiles (``step_shape``, ``profile``) measured
+(``measure``, ``fitted_cost``) or derived by roofline (``roofline``), and the bench glue
+(``bench``: ``inflight bench ... --simulate``). See docs/simulator.md."""

@@ -1,18 +1,19 @@
 """``inflight bench ... --simulate PROFILE.json``: the same runs without a server.
 
 A simulated session has the real one's request mix (built with the model's own tokenizer,
-so prompt lengths and prefix blocks are exact), and ``simulate_point`` replays a point's
-schedule (``bench.schedule.plan_point``: warm-up, window, cool-down) through the
-:class:`~inflight.sim.cluster.Simulator` and returns the same ``PointResult`` a measured
-point has: request records with streamed-chunk times, the summary, scraped gauges and
-counter deltas. The verdicts, capacity search, ``tune`` and reports then run unchanged.
+so prompt lengths and prefix blocks are exact), and its target, a :class:`SimSetup`,
+replays each point's schedule through the simulator (``sim_point.simulate_point``) and
+returns the same ``PointResult`` a measured point has. The verdicts, capacity search,
+``tune`` and reports then run unchanged.
 
 The engine settings come from the server command (``--serve-cmd``, so ``tune``'s knobs
-apply) parsed by ``inflight serve``'s own parser, else from the profile.
+apply) parsed by ``inflight serve``'s own parser (which the command line hands in: a
+:data:`ServeParser`), else from the profile.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import pathlib
@@ -22,31 +23,27 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from inflight.bench.client import RequestRecord
-from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset
-from inflight.bench.metrics_scrape import Snapshot
-from inflight.bench.session import (ArrivalConfig, LoadConfig, PointResult, Session, goes_on, look_summary,
-                                   mark_cancelled, view_at)
-from inflight.bench.schedule import plan_point
-from inflight.bench.summary import SLO, summarize
-from inflight.bench.sustain import Thresholds, Window, judge
-from inflight.config import EngineConfig
+from inflight.bench.session import ArrivalConfig, LoadConfig, PointResult, Session
+from inflight.bench.summary import SLO
+from inflight.bench.sustain import Thresholds
+from inflight.config import DEFAULT_MAX_NUM_WAITING, EngineConfig
 from inflight.routing import ROUTERS, make_router
-from inflight.sim.cluster import SimRequest, Simulator
 from inflight.sim.profile import StepProfile, load_profile, profile_warnings
+from inflight.sim.sim_point import simulate_point
+from inflight.sim.simulator import Simulator
 
-
+# ``inflight serve``'s argument parser: its flags after ``serve`` -> the parsed Namespace
+# (SystemExit on bad flags, as argparse).
+ServeParser = Callable[[list[str]], argparse.Namespace]
 MAX_REPLICAS = 1024
 
 
-def parse_serve_command(command: str) -> tuple[EngineConfig, dict[str, Any]]:
+def parse_serve_command(command: str, parse_serve: ServeParser) -> tuple[EngineConfig, dict[str, Any]]:
     """The engine settings and server flags of an ``inflight serve ...`` command line,
-    parsed by the server's own parser. ValueError when it is not one."""
-    from inflight.cli import build_parser
-
+    parsed by ``parse_serve`` (the server's own parser). ValueError when it is not one."""
     tokens = shlex.split(command)
     at = tokens.index("serve") if "serve" in tokens else -1
     # The program before `serve` must be inflight's: `inflight`, a path to it, or `-m inflight...`.
@@ -57,7 +54,7 @@ def parse_serve_command(command: str) -> tuple[EngineConfig, dict[str, Any]]:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = build_parser().parse_args(["serve", *rest])
+            args = parse_serve(rest)
     except SystemExit:
         last = (err.getvalue().strip().splitlines() or ["bad arguments"])[-1]
         last = re.sub(r"^[\w .-]+: error: ", "", last)  # argparse's "prog: error: " prefix
@@ -145,7 +142,7 @@ class SimSetup:
             hit = self._ids[id(spec)] = (spec, ids)
         return hit[1]
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         c = self.config
         return {"simulated": True, "profile": self.profile.describe(), "profile_source": self.profile.source,
                 "machine": self.profile.machine, "replicas": self.replicas, "router": self.router,
@@ -156,14 +153,25 @@ class SimSetup:
                            "batching_policy": c.batching_policy, "scheduling_policy": c.scheduling_policy,
                            "max_num_waiting": self.max_num_waiting}}
 
+    def banner(self, session: Session) -> str:
+        return (f"SIMULATED: {self.profile.describe()}, {self.replicas} replica(s)"
+                f"{f' behind {self.router}' if self.replicas > 1 else ''}; engine from "
+                f"{self.command or 'the profile'}; {len(session.specs)} requests prepared in "
+                f"{session.prepare_seconds:.1f} s")
+
+    async def run_point(self, session: Session, arrival: ArrivalConfig, slo: SLO | None,
+                        thresholds: Thresholds | None) -> PointResult:
+        return await simulate_point(self, session, arrival, slo, thresholds)
+
 
 def _spec_key(spec: RequestSpec) -> tuple[str, int]:
     return (spec.as_text(), spec.output_len)
 
 
-def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router: str = "prefix_affinity",
-              ) -> SimSetup:
-    """Load the profile and resolve the engine settings (``command``'s, else the profile's).
+def sim_setup(profile_path: str, command: str | None, parse_serve: ServeParser, replicas: int = 1,
+              router: str = "prefix_affinity") -> SimSetup:
+    """Load the profile and resolve the engine settings (``command``'s, read by
+    ``parse_serve``, else the profile's).
 
     Raises:
         ValueError: a bad profile, command, replica count or router.
@@ -179,29 +187,9 @@ def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router:
     profile = load_profile(profile_path)
     for note, _ in profile_warnings(profile):
         print(f"WARNING: {profile_path}: {note}", file=sys.stderr)
+    config, extra = _engine_settings(profile, command, parse_serve)
     eng = profile.engine
-    extra: dict[str, Any] = {"max_num_waiting": eng.get("max_num_waiting", 512), "served_model_name": None}
-    if command:
-        config, extra = parse_serve_command(command)
-    else:
-        known = {k: v for k, v in eng.get("config", {}).items() if k in EngineConfig.__dataclass_fields__}
-        config = EngineConfig(**known)
-    dtype = eng.get("dtype")
-    if command and config.dtype not in ("auto", dtype):
-        print(f"warning: the profile was measured in {dtype}, the command asks for {config.dtype}: "
-              f"step times are the profile's", file=sys.stderr)
-    if config.block_size != eng.get("block_size", config.block_size):
-        raise ValueError(f"the profile was measured with --block-size {eng['block_size']}, the command "
-                         f"sets {config.block_size}: profile that block size")
-    block_bytes = eng.get("kv_block_bytes")
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    elif config.kv_cache_memory_bytes is not None and block_bytes:
-        num_blocks = config.kv_cache_memory_bytes // block_bytes
-    else:
-        num_blocks = int(eng["num_kv_blocks"])
-    max_model_len = int(config.max_model_len or eng.get("max_model_len")
-                        or profile.model.get("max_position_embeddings") or num_blocks * config.block_size)
+    num_blocks, max_model_len = _kv_capacity(profile, config)
     path = eng.get("model_path")
     if not path:
         raise ValueError("the profile names no model file (model_path): its tokenizer builds the prompts")
@@ -214,95 +202,49 @@ def sim_setup(profile_path: str, command: str | None, replicas: int = 1, router:
                     str(name), command)
 
 
+def _engine_settings(profile: StepProfile, command: str | None, parse_serve: ServeParser,
+                     ) -> tuple[EngineConfig, dict[str, Any]]:
+    """The engine config and server flags: ``command``'s, else the profile's. ValueError
+    where the command's block size is not the profile's."""
+    eng = profile.engine
+    extra: dict[str, Any] = {"max_num_waiting": eng.get("max_num_waiting", DEFAULT_MAX_NUM_WAITING), "served_model_name": None}
+    if command:
+        config, extra = parse_serve_command(command, parse_serve)
+    else:
+        known = {k: v for k, v in eng.get("config", {}).items() if k in EngineConfig.__dataclass_fields__}
+        config = EngineConfig(**known)
+    dtype = eng.get("dtype")
+    if command and config.dtype not in ("auto", dtype):
+        print(f"warning: the profile was measured in {dtype}, the command asks for {config.dtype}: "
+              f"step times are the profile's", file=sys.stderr)
+    if config.block_size != eng.get("block_size", config.block_size):
+        raise ValueError(f"the profile was measured with --block-size {eng['block_size']}, the command "
+                         f"sets {config.block_size}: profile that block size")
+    return config, extra
+
+
+def _kv_capacity(profile: StepProfile, config: EngineConfig) -> tuple[int, int]:
+    """(KV-cache blocks, max model length in tokens) of the simulated engine."""
+    eng = profile.engine
+    block_bytes = eng.get("kv_block_bytes")
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_bytes is not None and block_bytes:
+        num_blocks = config.kv_cache_memory_bytes // block_bytes
+    else:
+        num_blocks = int(eng["num_kv_blocks"])
+    max_model_len = int(config.max_model_len or eng.get("max_model_len")
+                        or profile.model.get("max_position_embeddings") or num_blocks * config.block_size)
+    return num_blocks, max_model_len
+
+
 async def open_sim_session(load: LoadConfig, dataset: DatasetConfig, setup: SimSetup) -> Session:
-    """A :class:`Session` whose points are simulated (``Session.simulation``)."""
+    """A :class:`Session` whose points are simulated on ``setup``."""
     t = time.perf_counter()
     counter = _Counter(setup.tokenizer)
     endpoint = load.endpoint or ("chat" if dataset.name == "chat" else "completions")
     specs = await build_dataset(dataset, counter, dataset.num_prompts + load.num_warmups)
-    session = Session(client=None, load=load, dataset=dataset, model=load.model or setup.model_name,  # type: ignore[arg-type]
-                      endpoint=endpoint, tokenizer_mode=counter.mode, specs=specs[load.num_warmups:],
-                      warmups=specs[:load.num_warmups], server_models=[], server_info={"simulation": setup.describe()},
-                      prepare_seconds=time.perf_counter() - t, counter=counter, simulation=setup)
-    return session
-
-
-async def simulate_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None,
-                         thresholds: Thresholds | None = None) -> PointResult:
-    """``run_point`` on the simulator: the point's schedule, simulated; the same result.
-    Every look a real point could take is simulated, then judged as it stood at each look
-    (``runner.view_at``), so an undecided point is extended as a real one would be."""
-    setup: SimSetup = session.simulation
-    slots, window = await plan_point(session, arrival)
-    longest = window.looks()[-1] if window is not None else None
-    # A multi-turn mix: follow-ups carry their history, stand-in answers for the real ones.
-    sent = with_stand_in_answers([s.spec for s in slots])
-    reqs = [SimRequest(i, s.offset, setup.prompt_ids(s.spec, session.endpoint, x), s.spec.output_len,
-                       setup.output_len(s.spec), s.spec.ignore_eos,
-                       watched=window is not None and s.phase == "sample",
-                       not_after_done=s.phase == "cooldown")
-            for i, (s, x) in enumerate(zip(slots, sent))]
-    t0 = time.perf_counter()
-    run = setup.simulator(session.load, arrival.seed).run(reqs, until=None if longest is None else longest.deadline)
-    wall = time.perf_counter() - t0
-    records = []
-    for slot, o in zip(slots, run.outcomes):
-        if not o.sent and slot.phase == "cooldown":
-            continue  # never sent: the sample had ended
-        r = RequestRecord(o.index, slot.offset, warmup=slot.phase != "sample", phase=slot.phase)
-        r.prompt_len, r.output_len = slot.spec.prompt_len, slot.spec.output_len
-        r.send_time = o.send_time
-        if o.end_time is None:
-            r.chunk_times = list(o.token_times)
-            mark_cancelled(r, run.end_time)
-        else:
-            r.chunk_times, r.end_time = list(o.token_times), o.end_time
-            r.status, r.error = o.status, o.error
-            r.success = o.status == 200 and o.finish_reason in ("stop", "length")
-            r.finish_reason = o.finish_reason
-            r.prompt_tokens, r.output_tokens = o.prompt_tokens, o.output_tokens
-            r.output_tokens_from_usage = True
-        records.append(r)
-    samples, history = run.samples, list[dict]()
-    if window is not None:
-        records, window, samples, history = _judge_looks(records, window, run.samples, run.end_time, slo,
-                                                         thresholds, arrival)
-    steps = sum(r["steps"] for r in run.replicas)
-    beyond = sum(r["extrapolated_steps"] for r in run.replicas)
-    if beyond:
-        print(f"warning: {beyond} of {steps} simulated steps were larger than any the profile measured; "
-              f"their cost is extrapolated (profile the shapes you simulate: docs/simulator.md)", file=sys.stderr)
-    summary = summarize(records, slo)
-    before = Snapshot({k: 0.0 for k in run.counters})
-    after = Snapshot(dict(run.counters))
-    result = PointResult(arrival, records, summary, samples, before, after, time.time(), window, history)
-    summary["preemptions"] = result.preemptions
-    summary["server_counters"] = result.counters
-    summary["simulation"] = {"wall_seconds": wall, "simulated_seconds": run.end_time, "replicas": run.replicas,
-                             "router": {"policy": setup.router, **run.router}}
-    return result
-
-
-def _judge_looks(records: list[RequestRecord], window: Window, samples: list[dict], end: float,
-                 slo: SLO | None, thresholds: Thresholds | None, arrival: ArrivalConfig,
-                 ) -> tuple[list[RequestRecord], Window, list[dict], list[dict]]:
-    """The records, window and gauge samples as they stood at the look that decided the
-    point (the first not undecided, or the last), and the earlier looks' verdicts."""
-    looks = window.looks()
-    history: list[dict] = []
-    for k, w in enumerate(looks):
-        sample = [r for r in records if w.phase(r.scheduled_time) == "sample"]
-        ended = [r.end_time for r in sample if not (r.unfinished or r.cancelled)]
-        # As a real point: the look is taken when its sample has ended, or at its deadline.
-        now = max(ended) if sample and len(ended) == len(sample) else w.deadline
-        now = min(now, w.deadline, end)
-        done = [not (r.unfinished or r.cancelled) and r.end_time <= now for r in records]
-        view = view_at(records, done, None, w, now)
-        seen = [s for s in samples if s["t"] <= now]
-        if k == len(looks) - 1 or slo is None or not slo.aggregate:
-            return view, w, seen, history
-        verdict = judge(view, w, slo, None, thresholds, seen, final=False)
-        if not goes_on(verdict, arrival):
-            return view, w, seen, history
-        history.append(look_summary(verdict, w))
-    raise AssertionError("unreachable: the last look returns")
+    return Session(target=setup, client=None, load=load, dataset=dataset, model=load.model or setup.model_name,
+                   endpoint=endpoint, tokenizer_mode=counter.mode, specs=specs[load.num_warmups:],
+                   warmups=specs[:load.num_warmups], server_models=[], server_info={"simulation": setup.describe()},
+                   prepare_seconds=time.perf_counter() - t, counter=counter)

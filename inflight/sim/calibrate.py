@@ -1,8 +1,8 @@
 """``bench capacity --calibrate``: predict the operating limit from the server's own steps.
 
-The server under test is started with ``--step-log`` (``bench.commands`` adds it to an
-``inflight serve`` command). Before the search, a calibration ramp (``bench.ramp``) loads
-it up to saturation; a profile is fitted to the step log so far (``profile.fit_cost_model``
+The server under test is started with ``--step-log`` (``bench.connect.calibration`` adds it
+to an ``inflight serve`` command). Before the search, a calibration ramp (``bench.ramp``) loads
+it up to saturation; a profile is fitted to the step log so far (``fitted_cost.fit_cost_model``
 on the back-to-back steps, as ``inflight profile --from-step-log`` does), and the same
 capacity search, holds included, runs on the simulator with that profile and the same
 request mix, SLO and thresholds: the predicted limit, in seconds. The real search then
@@ -21,24 +21,24 @@ import io
 import pathlib
 import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
-from inflight.bench.datasets import DatasetConfig
+from inflight.bench.datasets import RequestSpec
 from inflight.bench.limit import Prediction, SearchSpace, find_limit
 from inflight.bench.machine import HostMonitor, describe_machine
 from inflight.bench.ramp import run_ramp
-from inflight.bench.session import ArrivalConfig, LoadConfig, Session
-from inflight.bench.summary import SLO
-from inflight.bench.sustain import Thresholds
-from inflight.sim.bench import open_sim_session, sim_setup
-from inflight.sim.profile import (StepProfile, fit_cost_model, profile_warnings, sample_row, save_profile,
-                                  summary_line)
+from inflight.bench.session import Session
+from inflight.bench.simulation import SearchPlan
+from inflight.sim.bench import ServeParser, open_sim_session, sim_setup
+from inflight.sim.fitted_cost import fit_cost_model, summary_line
+from inflight.sim.profile import StepProfile, profile_warnings, sample_row, save_profile
 from inflight.sim.steplog import read_step_logs
 
 SIMULATED_MAX_HOLDS = 12  # 1.1**-12: down to a third of the search's limit
 
 
-def fit_step_log(path: str | pathlib.Path, host: dict | None = None) -> tuple[StepProfile, dict]:
+def fit_step_log(path: str | pathlib.Path, host: dict[str, Any] | None = None,
+                 ) -> tuple[StepProfile, dict[str, Any]]:
     """A serving profile fitted to a step log, and its fit errors by step kind (mean and
     p95 |error| in %, steps); ``host``: the host's load while it was logged (saved in the
     profile's machine). ValueError when the log holds no back-to-back steps."""
@@ -58,24 +58,25 @@ def fit_step_log(path: str | pathlib.Path, host: dict | None = None) -> tuple[St
 
 class CalibratedPredictor:
     """A ``limit.Predictor`` for the server started by ``command``, logging its steps to
-    ``step_log`` (module doc). ``pids``: the server's processes (ours, for the host check;
-    filled when it starts); ``ramp_start``: the ramp's first rate in req/s (default: half
-    the search's start load); ``profile_out``: where the fitted profile is saved (for
+    ``step_log`` (module doc), for the search ``plan``; ``parse_serve`` reads the command's
+    engine settings. ``pids``: the server's processes (ours, for the host check; filled
+    when it starts); ``ramp_start``: the ramp's first rate in req/s (default: half the
+    search's start load); ``profile_out``: where the fitted profile is saved (for
     ``--simulate`` what-ifs afterwards)."""
 
-    def __init__(self, step_log: str | pathlib.Path, command: str, load: LoadConfig, dataset: DatasetConfig,
-                 base: ArrivalConfig, slo: SLO, space: SearchSpace, thresholds: Thresholds,
+    def __init__(self, step_log: str | pathlib.Path, command: str, plan: SearchPlan, parse_serve: ServeParser,
                  pids: Sequence[int] = (), ramp_start: float | None = None,
                  profile_out: str | pathlib.Path = "profile-calibrated.json") -> None:
-        self.step_log, self.command, self.pids = step_log, command, pids
-        self.load, self.dataset, self.base, self.slo = load, dataset, base, slo
+        self.step_log, self.command, self.pids, self.parse_serve = step_log, command, pids, parse_serve
+        self.load, self.dataset, self.base, self.slo = plan.load, plan.dataset, plan.base, plan.slo
         # Simulated holds cost seconds: step down until one holds (a real search's few
         # holds can all fail near a metastable limit, which would leave no prediction).
+        space = plan.space
         self.space = replace(space, repeats=1, max_holds=max(space.max_holds, SIMULATED_MAX_HOLDS))
-        self.thresholds = thresholds
+        self.thresholds = plan.thresholds
         self.ramp_start, self.profile_out = ramp_start, profile_out
-        self.outputs: list = []
-        self.host: dict | None = None
+        self.outputs: list[tuple[RequestSpec, int]] = []
+        self.host: dict[str, Any] | None = None
 
     async def predict(self, session: Session) -> Prediction:
         """Ramp the server to saturation (``bench.ramp``), fit its steps, simulate."""
@@ -93,7 +94,7 @@ class CalibratedPredictor:
         limit: steady steps of the shapes that decide it), simulate again."""
         return await self._simulate(time.perf_counter(), {})
 
-    async def _simulate(self, t0: float, details: dict) -> Prediction:
+    async def _simulate(self, t0: float, details: dict[str, Any]) -> Prediction:
         profile, errors = fit_step_log(self.step_log, self.host)
         save_profile(self.profile_out, profile)
         warnings = profile_warnings(profile)
@@ -101,7 +102,7 @@ class CalibratedPredictor:
         blocking = any(block for _, block in warnings)
         quiet = io.StringIO()  # the notes say what the profile's warnings would
         with contextlib.redirect_stderr(quiet):
-            setup = sim_setup(str(self.profile_out), self.command)
+            setup = sim_setup(str(self.profile_out), self.command, self.parse_serve)
             setup.calibrate_outputs(self.outputs)
             sim_session = await open_sim_session(self.load, self.dataset, setup)
             res = await find_limit(_connect(sim_session), self.base, self.slo, self.space, self.thresholds,
@@ -118,7 +119,7 @@ class CalibratedPredictor:
         return Prediction(limit, above, not blocking, notes, time.perf_counter() - t0, details)
 
 
-def _connect(session: Session):
+def _connect(session: Session) -> Callable[[], Awaitable[Session]]:
     async def connect() -> Session:
         return session
     return connect

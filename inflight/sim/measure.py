@@ -24,12 +24,20 @@ import logging
 import pathlib
 import sys
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from inflight.sim.profile import (StepProfile, StepShape, fit_cost_model, profile_warnings, sample_row, save_profile,
-                                  summary_line)
+from inflight.sim.fitted_cost import FittedCostModel, fit_cost_model, summary_line
+from inflight.sim.profile import StepProfile, profile_warnings, sample_row, save_profile
+from inflight.sim.step_shape import StepShape
+
+if TYPE_CHECKING:  # the engine and the model load torch: imported where they run
+    from inflight.config import EngineConfig
+    from inflight.engine.engine import Engine
+    from inflight.model.hparams import ModelConfig
+    from inflight.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +46,8 @@ MAX_CASE_PREFILL = {16: 1 << 20, 256: 8192, 1024: 4096}  # prefill tokens per de
 MIXED = [(d, p) for d in (4, 16, 64) for p in (64, 512, 2048)]
 
 
-def add_profile_parser(sub: Any) -> None:
-    from inflight.config import EngineConfig
+def add_profile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from inflight.config import DEFAULT_MAX_NUM_WAITING, EngineConfig
 
     p = sub.add_parser("profile", help="measure (or derive) a step-time profile for the simulator",
                        description="Time real engine steps over a grid of shapes and fit a step-time "
@@ -58,11 +66,11 @@ def add_profile_parser(sub: Any) -> None:
                    help="seconds from a request's arrival to the engine queue (HTTP, template, tokenizer)")
     p.add_argument("--delivery-latency", type=float, default=0.0005, metavar="S",
                    help="seconds from a step's end to the client reading its tokens")
-    p.add_argument("--max-num-waiting", type=int, default=512, help="the server's admission bound to simulate")
+    p.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING, help="the server's admission bound to simulate")
     EngineConfig.add_cli_args(p)
 
 
-def _model_info(model_config: Any, path: Any) -> dict[str, Any]:
+def _model_info(model_config: ModelConfig, path: pathlib.Path) -> dict[str, Any]:
     from inflight.sim.roofline import ModelShape
     return {"name": getattr(path, "stem", str(path)), "architecture": model_config.architecture,
             "max_position_embeddings": model_config.max_position_embeddings,
@@ -70,8 +78,8 @@ def _model_info(model_config: Any, path: Any) -> dict[str, Any]:
             **dataclasses.asdict(ModelShape.from_config(model_config))}
 
 
-def _engine_info(config: Any, dtype: str, num_blocks: int | None, max_model_len: int, eos: Any, block_bytes: int,
-                 path: Any, max_num_waiting: int | None) -> dict[str, Any]:
+def _engine_info(config: EngineConfig, dtype: str, num_blocks: int | None, max_model_len: int, eos: Iterable[int],
+                 block_bytes: int, path: pathlib.Path, max_num_waiting: int | None) -> dict[str, Any]:
     cfg = dataclasses.asdict(config)
     cfg["model"] = str(path)
     return {"config": cfg, "dtype": dtype, "block_size": config.block_size, "num_kv_blocks": num_blocks,
@@ -102,7 +110,7 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def derive(config: Any, args: argparse.Namespace) -> StepProfile:
+def derive(config: EngineConfig, args: argparse.Namespace) -> StepProfile:
     """A roofline profile of ``config``'s model on ``--hardware`` (reads the model's shapes
     from its file, loads no weights)."""
     from inflight.engine.loading import resolve_model_path
@@ -129,7 +137,7 @@ def derive(config: Any, args: argparse.Namespace) -> StepProfile:
     return prof
 
 
-def _cases(config: Any, quick: bool) -> list[tuple[str, list[int], list[int]]]:
+def _cases(config: EngineConfig, quick: bool) -> list[tuple[str, list[int], list[int]]]:
     """``(name, initial prompt lengths, late prompt lengths)``; a late prompt arrives after
     the initial ones' prefill, while they decode."""
     seqs = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= config.max_num_seqs]
@@ -149,14 +157,14 @@ def _cases(config: Any, quick: bool) -> list[tuple[str, list[int], list[int]]]:
     return cases
 
 
-def engine_header(engine: Any, max_num_waiting: int | None) -> dict[str, Any]:
+def engine_header(engine: Engine, max_num_waiting: int | None) -> dict[str, Any]:
     """``{"engine": ..., "model": ...}`` of a loaded ``Engine`` (with a ``ModelRunner``), as
     a profile saves them."""
     from inflight.engine.loading import resolve_device, resolve_dtype, resolve_model_path
     from inflight.runner import kv_block_bytes
 
     config = engine.config
-    model_config = engine.runner.model.config
+    model_config = _model_config(engine)
     path = resolve_model_path(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -167,6 +175,13 @@ def engine_header(engine: Any, max_num_waiting: int | None) -> dict[str, Any]:
     return {"engine": info, "model": _model_info(model_config, path)}
 
 
+def _model_config(engine: Engine) -> ModelConfig:
+    """The hyperparameters of the model a loaded engine runs (its runner, built from its
+    config, is a ``ModelRunner``; the ``Runner`` protocol does not say it has a model)."""
+    config: ModelConfig = cast(Any, engine.runner).model.config
+    return config
+
+
 def from_step_logs(paths: list[str]) -> StepProfile:
     """A profile fitted to the back-to-back steps of serving step logs."""
     from inflight.bench.machine import describe_machine
@@ -175,81 +190,101 @@ def from_step_logs(paths: list[str]) -> StepProfile:
     header, shapes, seconds = read_step_logs(paths)
     if not shapes:
         raise ValueError("the step logs hold no back-to-back steps: serve some load with --step-log first")
-    cost = fit_cost_model(shapes, seconds)
-    for kind, fit in cost.fits.items():
-        print(f"  {kind}: {summary_line(fit)}", file=sys.stderr)
+    cost = _fit_and_report(shapes, seconds)
     machine = {**describe_machine(), "step_logs": [str(p) for p in paths]}
     return StepProfile("serving", cost, header["engine"], header["model"], machine,
                        samples=[sample_row(s, t) for s, t in zip(shapes, seconds)])
 
 
-def measure(config: Any, args: argparse.Namespace) -> StepProfile:
+def measure(config: EngineConfig, args: argparse.Namespace) -> StepProfile:
     """Time the grid on the engine ``config`` describes; fit and return the profile."""
     from inflight.bench.machine import HostMonitor, describe_machine
     from inflight.engine.engine import Engine
-    from inflight.sampling_params import SamplingParams
 
     machine_start = describe_machine()
     engine = Engine(config)
-    runner: Any = engine.runner
-    model_config = runner.model.config
-    rng = np.random.default_rng(config.seed)
-    vocab = model_config.vocab_size
-    shapes: list[StepShape] = []
-    seconds: list[float] = []
-    steps = args.decode_steps
-    counter = 0
-
-    def prompt(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(100, vocab, n)]
-
-    def step_timed() -> None:
-        before = engine.last_plan
-        t = time.perf_counter()
-        engine.step()
-        dt_s = time.perf_counter() - t
-        plan = engine.last_plan
-        if plan is not None and plan is not before:  # a step ran (not an empty one)
-            shapes.append(StepShape.of(plan.scheduled))
-            seconds.append(dt_s)
-
-    def prefilling() -> bool:
-        sched = engine.scheduler
-        return bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
-
-    def run(initial: list[int], late: list[int]) -> None:
-        nonlocal counter
-        params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0)
-        for n in initial:
-            counter += 1
-            engine.add_request(f"p{counter}", prompt(min(n, engine.max_model_len - steps - 3)), params)
-        while late and prefilling():  # the late prompts arrive while the others decode
-            step_timed()
-        for n in late:
-            counter += 1
-            engine.add_request(f"p{counter}", prompt(min(n, engine.max_model_len - steps - 3)),
-                               SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
-        while engine.has_unfinished_requests():
-            step_timed()
-
-    run([16, 16], [])  # warm-up: kernels compiled, caches touched; not kept
-    shapes.clear()
-    seconds.clear()
+    grid = _GridTimer(engine, config.seed, args.decode_steps)
+    grid.run_case([16, 16], [])  # warm-up: kernels compiled, caches touched; not kept
+    grid.forget_steps()
     cases = _cases(config, args.quick)
     monitor = HostMonitor().start()
     t0 = time.perf_counter()
     for rep in range(args.repeats):
-        for name, initial, late in cases:
-            run(initial, late)
+        for _, initial, late in cases:
+            grid.run_case(initial, late)
             engine.reset_prefix_cache()  # each case's prompts are new anyway; keep the pool clean
-        print(f"pass {rep + 1}/{args.repeats}: {len(shapes)} steps so far, {time.perf_counter() - t0:.0f} s",
+        print(f"pass {rep + 1}/{args.repeats}: {len(grid.shapes)} steps so far, {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)
-    cost = fit_cost_model(shapes, seconds)
-    for kind, fit in cost.fits.items():
-        print(f"  {kind}: {summary_line(fit)}", file=sys.stderr)
+    cost = _fit_and_report(grid.shapes, grid.seconds)
     host = monitor.stop()
     machine = {**machine_start, "end": describe_machine(), "profile_seconds": time.perf_counter() - t0,
                "host_load": None if host is None else host.to_json()}
     header = engine_header(engine, args.max_num_waiting)
     return StepProfile("measured", cost, header["engine"], header["model"], machine,
-                       samples=[sample_row(s, t) for s, t in zip(shapes, seconds)])
+                       samples=[sample_row(s, t) for s, t in zip(grid.shapes, grid.seconds)])
+
+
+def _fit_and_report(shapes: list[StepShape], seconds: list[float]) -> FittedCostModel:
+    """:func:`~inflight.sim.fitted_cost.fit_cost_model`, each step kind's error on stderr."""
+    cost = fit_cost_model(shapes, seconds)
+    for kind, fit in cost.fits.items():
+        print(f"  {kind}: {summary_line(fit)}", file=sys.stderr)
+    return cost
+
+
+class _GridTimer:
+    """Runs the grid's cases on a loaded engine, keeping each step's shape and seconds.
+
+    Prompts are random token ids (from ``seed``) that ignore EOS: a request of the initial
+    prompts decodes ``decode_steps`` tokens past its first, one of the late prompts one.
+    """
+
+    def __init__(self, engine: Engine, seed: int, decode_steps: int) -> None:
+        self.engine = engine
+        self.decode_steps = decode_steps
+        self.shapes: list[StepShape] = []
+        self.seconds: list[float] = []
+        self._rng = np.random.default_rng(seed)
+        self._vocab = _model_config(engine).vocab_size
+        self._num_requests = 0
+
+    def run_case(self, initial: list[int], late: list[int]) -> None:
+        """Queue prompts of the ``initial`` lengths; once they have prefilled (they decode
+        then), those of the ``late`` lengths; step until every request has ended."""
+        from inflight.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=self.decode_steps + 2, ignore_eos=True, temperature=0.0)
+        for n in initial:
+            self._add(n, params)
+        while late and self._prefilling():  # the late prompts arrive while the others decode
+            self._step()
+        for n in late:
+            self._add(n, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
+        while self.engine.has_unfinished_requests():
+            self._step()
+
+    def forget_steps(self) -> None:
+        """Drop the steps timed so far (the warm-up's)."""
+        self.shapes.clear()
+        self.seconds.clear()
+
+    def _add(self, prompt_len: int, params: SamplingParams) -> None:
+        self._num_requests += 1
+        n = min(prompt_len, self.engine.max_model_len - self.decode_steps - 3)
+        prompt = [int(t) for t in self._rng.integers(100, self._vocab, n)]
+        self.engine.add_request(f"p{self._num_requests}", prompt, params)
+
+    def _step(self) -> None:
+        """One engine step, timed; kept if it ran (a step with an empty plan is not)."""
+        before = self.engine.last_plan
+        t = time.perf_counter()
+        self.engine.step()
+        seconds = time.perf_counter() - t
+        plan = self.engine.last_plan
+        if plan is not None and plan is not before:
+            self.shapes.append(StepShape.of(plan.scheduled))
+            self.seconds.append(seconds)
+
+    def _prefilling(self) -> bool:
+        sched = self.engine.scheduler
+        return bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)

@@ -22,7 +22,8 @@ import pathlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from inflight.sim.profile import StepProfile, StepShape
+from inflight.sim.profile import StepProfile
+from inflight.sim.step_shape import StepShape
 
 HARDWARE_DIR = pathlib.Path(__file__).parent / "hardware"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

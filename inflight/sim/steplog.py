@@ -2,7 +2,7 @@
 
 ``inflight serve --step-log FILE.jsonl`` writes a header line (engine settings and model
 shapes, as ``inflight profile`` saves them) and then, after every step, the step's shape
-(:class:`~inflight.sim.profile.StepShape`), the time it was published and how often the
+(:class:`~inflight.sim.step_shape.StepShape`), the time it was published and how often the
 engine loop had waited so far. ``inflight profile --from-step-log FILE.jsonl`` fits a
 profile from them: a step's duration is the time from the previous step's publication to
 its own, kept only where the loop did not wait in between, so it is the whole iteration of
@@ -18,7 +18,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from inflight.sim.profile import StepShape
+from inflight.sim.step_shape import StepShape
 
 STEP_LOG_KIND = "inflight-step-log"
 FLUSH_EVERY_S = 1.0

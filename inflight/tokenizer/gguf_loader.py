@@ -121,6 +121,7 @@ def _transformers_backend(meta: dict[str, Any]) -> BackendTokenizer:
                "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space"}
     tokenizer_dict = {new: meta[f"tokenizer.ggml.{old}"] for old, new in renames.items()
                       if f"tokenizer.ggml.{old}" in meta}
+    backend: BackendTokenizer
     backend, _ = convert_gguf_tokenizer(meta.get("general.architecture", "llama"), tokenizer_dict)
     return backend
 
@@ -143,7 +144,7 @@ def set_special_token_template(backend: BackendTokenizer, bos: str | None, eos: 
                                                            special_tokens=specials)
 
 
-def load_gguf_tokenizer(path: str | os.PathLike) -> tuple[BackendTokenizer, dict[str, Any]]:
+def load_gguf_tokenizer(path: str | os.PathLike[str]) -> tuple[BackendTokenizer, dict[str, Any]]:
     """Return ``(backend, metadata)`` for a GGUF file's tokenizer.
 
     ``metadata`` holds the ``tokenizer.*`` keys plus ``general.architecture``; the backend's

@@ -70,7 +70,7 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------- loading
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_gguf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
         """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
 
         Reads the metadata header only (no tensors). Byte-level BPE (``gpt2``) vocabularies are
@@ -100,7 +100,7 @@ class Tokenizer:
                    chat_template=meta.get("tokenizer.chat_template"), special_tokens=special)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike) -> "Tokenizer":
+    def from_pretrained(cls, model_dir: str | os.PathLike[str]) -> "Tokenizer":
         """Load from a Hugging Face model directory (local only, nothing is downloaded).
 
         Needs ``tokenizer.json``; reads ``tokenizer_config.json`` (chat template, bos/eos/unk/pad
@@ -171,8 +171,8 @@ class Tokenizer:
         """Id of a vocabulary string, or ``None``."""
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render ``messages`` into a prompt string with the model's chat template.
 
         Same output as transformers' ``apply_chat_template(..., tokenize=False)``; the special

@@ -15,9 +15,10 @@ from bench_fake_openai import DroppingProxy, Plan, ServerState
 from inflight.bench.__main__ import main
 from inflight.bench.client import RequestRecord, make_client, stream_request
 from inflight.bench.datasets import DatasetConfig
-from inflight.bench.session import ArrivalConfig, LoadConfig, open_session, run_point
+from inflight.bench.http_target import open_session
+from inflight.bench.session import ArrivalConfig, LoadConfig, run_point
 
-RUNNER = "inflight.bench.session"
+RUNNER = "inflight.bench"  # the loggers of http_target and server_routes
 
 
 def send_one(base_url: str, max_tokens: int = 4) -> RequestRecord:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from inflight.bench.arrivals import make_offsets, rate_offsets, trace_offsets, unit_gaps
-from inflight.bench.datasets import load_trace
+from inflight.bench.trace_files import load_trace
 
 N = 20_000
 

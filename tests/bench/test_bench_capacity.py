@@ -12,7 +12,8 @@ from inflight.bench import capacity as cap
 from inflight.bench.client import make_client
 from inflight.bench.datasets import DatasetConfig
 from inflight.bench.limit import SearchSpace, find_limit
-from inflight.bench.session import ArrivalConfig, LoadConfig, open_session, run_point
+from inflight.bench.http_target import open_session
+from inflight.bench.session import ArrivalConfig, LoadConfig, run_point
 from inflight.bench.summary import parse_slo
 from inflight.bench.sustain import Thresholds
 

@@ -13,8 +13,9 @@ from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, build_dataset, conversation_slot
 from inflight.bench.prompts import WordCounter
 from inflight.bench.report import format_summary, prefix_hit_rate
-from inflight.bench.session import ArrivalConfig, LoadConfig, open_session, run_point
-from inflight.bench.vllm_compat import vllm_result
+from inflight.bench.http_target import open_session
+from inflight.bench.session import ArrivalConfig, LoadConfig, run_point
+from inflight.bench.vllm_result import vllm_result
 
 
 def test_conversation_slots_come_in_waves_of_active_conversations():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from bench_fake_openai import toy_count
 
-from inflight.bench.datasets import (DatasetConfig, build_dataset, default_data_dir, load_trace,
-                                     scale_length, summarize_specs, trace_rows)
+from inflight.bench.datasets import DatasetConfig, build_dataset, default_data_dir, summarize_specs, trace_rows
 from inflight.bench.prompts import WordCounter, fit_prompt, load_local_tokenizer
+from inflight.bench.trace_files import load_trace, scale_length
 
 
 class ToyCounter:

@@ -15,9 +15,11 @@ import pytest
 from bench_fake_openai import Plan, ServerState, toy_count
 
 from inflight.bench.client import make_client
-from inflight.bench.datasets import DatasetConfig, load_trace
-from inflight.bench.session import ArrivalConfig, LoadConfig, open_session, run_point
+from inflight.bench.datasets import DatasetConfig
+from inflight.bench.http_target import open_session
+from inflight.bench.session import ArrivalConfig, LoadConfig, run_point
 from inflight.bench.summary import parse_slo, request_metrics
+from inflight.bench.trace_files import load_trace
 
 # Client-side timings may exceed the scripted ones by event-loop and HTTP overhead on a
 # shared 2-core machine, and a gap may also shrink when a late chunk catches up with the
@@ -144,7 +146,7 @@ def test_a_request_cancelled_before_it_starts_is_not_a_failure():
     # A cool-down request created just as the point ends is cancelled before its first
     # step: its body (and its except) never runs. CI once counted one as "failed".
     from inflight.bench.client import RequestRecord
-    from inflight.bench.session import _settle
+    from inflight.bench.looks import settle as _settle
 
     async def body():
         raise AssertionError("never runs")

@@ -19,9 +19,11 @@ from test_bench_capacity import fake_session
 
 from inflight.bench import capacity as cap
 from inflight.bench.client import RequestRecord, make_client
-from inflight.bench.limit import SearchSpace, crossings, long_window_note
+from inflight.bench.limit import SearchSpace, long_window_note
+from inflight.bench.limit_doc import crossings
 from inflight.bench.machine import HostMonitor
-from inflight.bench.session import ArrivalConfig, view_at
+from inflight.bench.looks import view_at
+from inflight.bench.session import ArrivalConfig
 from inflight.bench.summary import parse_slo
 from inflight.bench.sustain import FAIL, PASS, UNDECIDED, Window, evidence_lines, judge
 

@@ -9,7 +9,9 @@ import pytest
 
 from inflight.bench.client import RequestRecord
 from inflight.bench.summary import parse_slo
-from inflight.bench.sustain import Thresholds, Window, censored_metrics, in_flight_at, judge, queue_growth
+from inflight.bench.censoring import censored_metrics
+from inflight.bench.queue_trend import in_flight_at, queue_growth
+from inflight.bench.sustain import Thresholds, Window, judge
 
 WINDOW = Window(start=1.0, end=11.0, deadline=16.0)
 

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from inflight.bench.__main__ import main
-from inflight.bench.tune import check_port, choose, flag_value, parse_knob, set_flag, slo_usage
+from inflight.bench.knob_flags import check_port, flag_value, parse_knob, set_flag
+from inflight.bench.tune import choose, slo_usage
 
 SCRIPT = pathlib.Path(__file__).with_name("bench_fake_openai.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -13,16 +13,23 @@ from bench_fake_openai import Plan, ServerState
 from inflight.bench.__main__ import main
 from inflight.bench.arguments import add_bench_parser, run_bench
 from inflight.bench.client import RequestRecord
-from inflight.bench.subcommands import configs
+from inflight.bench.configure import bench_config
 from inflight.bench.datasets import DatasetConfig, build_chat
 from inflight.bench.summary import SLO, summarize
-from inflight.bench.vllm_compat import parse_goodput, result_path, vllm_result
+from inflight.bench.vllm_compat import parse_goodput
+from inflight.bench.vllm_result import result_path, vllm_result
 
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="inflight")
     add_bench_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["bench", "serve", *argv])
+
+
+def configs(args: argparse.Namespace):
+    """The run's load, dataset, arrival and SLO configurations from parsed flags."""
+    c = bench_config(args)
+    return c.load, c.dataset, c.arrival, c.slo
 
 
 def test_vllm_spellings_parse_into_our_configuration():
@@ -170,13 +177,14 @@ def test_result_file_names(tmp_path):
     import datetime as dt
     now = dt.datetime(2026, 1, 2, 3, 4, 5)
     args = parse("--save-result", "--request-rate", "4", "--max-concurrency", "8")
-    assert result_path(args, "serve", "org/Model-7B", "completions", now) \
+    assert result_path(bench_config(args), "serve", "org/Model-7B", "completions", now) \
         == "openai-4.0qps-concurrency8-Model-7B-20260102-030405.json"
     args = parse("--save-result", "--label", "mine", "--result-dir", str(tmp_path))
-    assert result_path(args, "serve", "m", "chat", now) == str(tmp_path / "mine-infqps-m-20260102-030405.json")
-    assert result_path(parse("--result-filename", "x.json", "--result-dir", "d"), "serve", "m", "chat") == "d/x.json"
-    assert result_path(parse("--save-result", "r.json"), "serve", "m", "chat") == "r.json"
-    assert result_path(parse(), "serve", "m", "chat") is None
+    assert result_path(bench_config(args), "serve", "m", "chat", now) == str(tmp_path / "mine-infqps-m-20260102-030405.json")
+    assert result_path(bench_config(parse("--result-filename", "x.json", "--result-dir", "d")), "serve", "m",
+                       "chat") == "d/x.json"
+    assert result_path(bench_config(parse("--save-result", "r.json")), "serve", "m", "chat") == "r.json"
+    assert result_path(bench_config(parse()), "serve", "m", "chat") is None
 
 
 def test_serve_saves_vllm_keys_and_goodput_matches_a_hand_count(fake_server, data_dir, tmp_path, capsys):

@@ -23,7 +23,7 @@ def dp2_server(**app_kwargs: Any) -> Iterator[tuple[ServerThread, Any]]:
     runtime = RayRuntime(None, num_cpus=2)
     engine = ClusterEngine(EngineConfig(**SMALL_CONFIG, num_threads=1), num_replicas=2,
                            model_name=MODEL, log_interval_s=0, log_level="WARNING")
-    app = build_app(engine, model_names=[MODEL], **app_kwargs)  # type: ignore[arg-type]
+    app = build_app(engine, model_names=[MODEL], **app_kwargs)
     cluster_metrics.install(app, engine)
     srv = ServerThread(app).start()
     try:

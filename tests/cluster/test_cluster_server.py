@@ -48,7 +48,7 @@ class Cluster:
         self.engine = ClusterEngine(CONFIG, num_replicas=2, model_name=MODEL,
                                     router="prefix_affinity", max_num_waiting=MAX_NUM_WAITING,
                                     log_interval_s=0, log_level="WARNING")
-        app = build_app(self.engine, model_names=[MODEL])  # type: ignore[arg-type]
+        app = build_app(self.engine, model_names=[MODEL])
         cluster_metrics.install(app, self.engine)
         self.server = ServerThread(app).start()
         self.base_url = self.server.base_url

@@ -18,7 +18,7 @@ def llm():
 def test_prompts_read_the_blocks_where_onednn_has_no_amx(llm):
     """The bundled model's layers are all block-quantized: prompt rows go to oneDNN only
     where its GEMMs have AMX tiles, else to the int8 kernel like generated rows."""
-    from inflight.model.kernels import onednn_has_amx
+    from inflight.model.kernels.native_lib import onednn_has_amx
 
     model = llm.engine.runner.model
     assert model.all_quantized

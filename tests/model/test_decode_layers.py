@@ -15,7 +15,7 @@ import torch
 import inflight.model.llama as llama
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.hparams import ModelConfig
-from inflight.model.kernels import native_library
+from inflight.model.kernels.native_lib import native_library
 from inflight.model.llama import LlamaForCausalLM
 from inflight.profiling import NULL_TIMER, StepTimer
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inflight.model.kernels import native_library, skinny_linear
+from inflight.model.kernels import skinny_linear
+from inflight.model.kernels.native_lib import native_library
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernel")
 

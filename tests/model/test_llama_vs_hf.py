@@ -58,7 +58,7 @@ class RecordingRunner(ModelRunner):
 def kernels(request):
     """Every comparison runs twice: with the native CPU kernels, and on PyTorch's kernels
     alone (the path CUDA and compiler-less machines take)."""
-    from inflight.model.kernels import use_native_kernels
+    from inflight.model.kernels.native_lib import use_native_kernels
 
     with use_native_kernels(request.param == "native"):
         yield

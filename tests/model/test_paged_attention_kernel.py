@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from inflight.model.attention import decode_attention_torch
-from inflight.model.kernels import native_library, paged_decode_attention
+from inflight.model.kernels import paged_decode_attention
+from inflight.model.kernels.native_lib import native_library
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernel")
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from inflight.model.kernels import (apply_amx_setting, native_library, onednn_has_amx,
-                                    quant_linear)
+from inflight.model.kernels import quant_linear
+from inflight.model.kernels.native_lib import apply_amx_setting, native_library, onednn_has_amx
 from inflight.model.kernels.header import read_signatures
 from inflight.model.quant import QuantFormat, QuantizedWeight
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.model.kernels import native_library, rms_norm
+from inflight.model.kernels import rms_norm
+from inflight.model.kernels.native_lib import native_library
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernel")
 

@@ -113,7 +113,7 @@ def assert_engine_clean(engine, async_engine, metrics=None) -> None:
     if metrics is not None:
         assert metrics._first_token_seen == set(), "metrics keep ids of finished requests"
         assert metrics._last_emit == {}, "metrics keep emit times of finished requests"
-        assert metrics._params == {}, "metrics keep the parameters of finished requests"
+        assert metrics._num_output_tokens == {}, "metrics keep token counts of finished requests"
 
 
 def app_metrics(server_thread):

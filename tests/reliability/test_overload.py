@@ -165,7 +165,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 class QueueSampler(threading.Thread):
     """Reads the loop's admission state every ~2 ms under its lock (the state
-    ``AsyncEngine._check_room`` decides on), so each sample is consistent."""
+    ``Admission.overload`` decides on), so each sample is consistent."""
 
     def __init__(self, async_engine) -> None:
         super().__init__(daemon=True)
@@ -175,8 +175,8 @@ class QueueSampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop_event.is_set():
-            with self.ae._lock:
-                waiting = self.ae._num_pending + self.ae._stats.num_waiting
+            with self.ae.admission.lock:
+                waiting = self.ae.admission.num_pending + self.ae._stats.num_waiting
                 running = self.ae._stats.num_running
             self.samples.append((waiting, running))
             time.sleep(0.002)

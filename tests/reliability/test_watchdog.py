@@ -51,7 +51,7 @@ def test_fires_once_past_the_timeout_naming_the_step_and_its_plan():
 def test_the_automatic_timeout_follows_the_engines_step_model():
     model = StepTimeModel()
     stub = SimpleNamespace(get_stats=lambda: None, scheduler=SimpleNamespace(step_model=model),
-                           config=SimpleNamespace(max_num_batched_tokens=2048))
+                           config=SimpleNamespace(max_num_batched_tokens=2048, max_num_seqs=256))
     engine = AsyncEngine(stub, log_interval_s=0)  # type: ignore[arg-type]
     assert engine.watchdog is not None and engine.watchdog.timeout_s == AUTO_FLOOR_S  # nothing learned
     for tokens in range(1, 400, 40):  # 10 ms + 2 ms per token: 4.106 s for 2048 tokens

@@ -399,7 +399,7 @@ def test_a_non_streamed_request_gets_the_same_output_as_the_streamed_one(tokeniz
         async def main():
             streamed = await asyncio.wait_for(_drain(ae.add_request("s", [1, 2, 3], params(6))), 10)
             final_only = await asyncio.wait_for(
-                _drain(ae.add_request("f", [1, 2, 3], params(6), stream=False)), 10)
+                _drain(ae.add_request("f", [1, 2, 3], params(6), final_only=True)), 10)
             return streamed, final_only
         streamed, final_only = asyncio.run(main())
     assert len(streamed) > 1 and len(final_only) == 1

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from inflight.server.app import build_engine_off_main_thread
+from inflight.server.lifecycle import build_engine_off_main_thread
 
 
 def test_the_engine_is_built_on_a_thread_that_is_gone():

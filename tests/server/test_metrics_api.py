@@ -184,7 +184,7 @@ def test_per_request_histograms_observe_a_known_request(url, served, tokenizer):
     assert inference == pytest.approx(prefill + decode, rel=1e-9)
     assert tpot == pytest.approx(decode / (max_tokens - 1), rel=1e-9)
     assert delta("inflight:e2e_request_latency_seconds_sum{}") >= inference
-    assert metrics._params == {}  # nothing kept once the request finished
+    assert metrics._num_output_tokens == {}  # nothing kept once the request finished
 
 
 def test_requests_without_a_max_tokens_record_the_applied_one(url, tokenizer):
@@ -223,7 +223,7 @@ def test_aborted_requests_leave_the_params_histograms_alone(url, served):
         - before.get("inflight:request_success_total{finished_reason=abort}", 0) == 1
     for name in ("request_params_n", "request_params_max_tokens", "e2e_request_latency_seconds"):
         assert after[f"inflight:{name}_count{{}}"] == before[f"inflight:{name}_count{{}}"], name
-    assert metrics._params == {}
+    assert metrics._num_output_tokens == {}
 
 
 def test_phase_histograms_from_known_timestamps():
@@ -239,9 +239,9 @@ def test_phase_histograms_from_known_timestamps():
                                num_steps=0)
 
     m = ServerMetrics(State(), model_name="m")
-    m.expect("r", 1, 8)
     metrics = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5,
-                             first_token_time=11.0, last_token_time=13.0, finished_time=13.0)
+                             first_token_time=11.0, last_token_time=13.0, finished_time=13.0,
+                             n=1, max_tokens=8)
     out = RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", [7] * 5, None, "length")],
                         finished=True, metrics=metrics)
     m.on_step(State().get_stats(), [out], 13.0)

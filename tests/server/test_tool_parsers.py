@@ -100,7 +100,7 @@ def test_required_array_becomes_calls():
 
 
 def test_chat_template_flag_takes_a_file_or_inline_jinja(tmp_path):
-    from inflight.server.app import load_chat_template
+    from inflight.server.lifecycle import load_chat_template
 
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0]['content'] }}")

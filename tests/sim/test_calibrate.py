@@ -11,7 +11,9 @@ import pytest
 
 from inflight.bench.datasets import RequestSpec
 from inflight.sim.calibrate import fit_step_log
-from inflight.sim.profile import Fit, FittedCostModel, StepProfile, StepShape, profile_warnings
+from inflight.sim.fitted_cost import Fit, FittedCostModel
+from inflight.sim.profile import StepProfile, profile_warnings
+from inflight.sim.step_shape import StepShape
 
 
 def test_noise_is_drawn_from_steps_of_about_the_same_length():

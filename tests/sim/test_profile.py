@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inflight.sim.profile import (FittedCostModel, StepProfile, StepShape, fit_cost_model, load_profile, nnls,
-                                  save_profile)
+from inflight.sim.fitted_cost import FittedCostModel, fit_cost_model, nnls
+from inflight.sim.profile import StepProfile, load_profile, save_profile
+from inflight.sim.step_shape import StepShape
 from inflight.sim.roofline import Hardware, ModelShape, RooflineCostModel, derive_profile, kv_blocks_for
 
 

@@ -8,7 +8,9 @@ import pathlib
 import pytest
 
 from inflight.cli import main
-from inflight.sim.profile import StepProfile, StepShape, fit_cost_model, save_profile
+from inflight.sim.fitted_cost import fit_cost_model
+from inflight.sim.profile import StepProfile, save_profile
+from inflight.sim.step_shape import StepShape
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 pytestmark = pytest.mark.skipif(not (DATA / "vllm_sonnet.txt").exists(), reason="needs ../shared/data")

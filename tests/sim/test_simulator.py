@@ -10,8 +10,9 @@ import pytest
 from inflight.config import EngineConfig
 from inflight.engine.engine import Engine
 from inflight.sampling_params import SamplingParams
-from inflight.sim.cluster import SimRequest, Simulator
-from inflight.sim.profile import ConstantCostModel, StepProfile
+from inflight.sim.simulator import SimRequest, Simulator
+from inflight.sim.profile import StepProfile
+from inflight.sim.step_shape import ConstantCostModel
 from tests.conftest import FakeRunner
 
 
@@ -98,7 +99,8 @@ def test_preemptions_and_prefix_hits_equal_the_real_engines():
 
 
 def test_same_seed_same_run_noise_changes_with_seed():
-    from inflight.sim.profile import fit_cost_model, StepShape
+    from inflight.sim.fitted_cost import fit_cost_model
+    from inflight.sim.step_shape import StepShape
     rng = np.random.default_rng(0)
     shapes = [StepShape(b, b, b, 0, 50 * b, 0) for b in (1, 2, 4, 8, 16) for _ in range(6)]
     seconds = [0.01 + 0.002 * s.rows * rng.uniform(0.8, 1.3) for s in shapes]

@@ -11,7 +11,7 @@ from inflight.config import EngineConfig
 from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.engine import Engine
 from inflight.sampling_params import SamplingParams
-from inflight.sim.profile import StepShape
+from inflight.sim.step_shape import StepShape
 from inflight.sim.steplog import StepLog, read_step_logs
 from tests.conftest import FakeRunner
 

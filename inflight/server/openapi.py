@@ -1,0 +1,93 @@
+"""The OpenAPI document as this server behaves, and the package version it reports."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from inflight.engine.engine_client import EngineClient
+from inflight.server import responses as R
+from inflight.server.protocol import MAX_TOKENS_MARK, TOKEN_ID_MARK
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+# Request fields each scheduling policy acts on; under another policy they are refused
+# (RequestOptions.check_policy) and left out of the document.
+_POLICY_FIELDS = {"priority": ("priority", "fair"), "ttft_slo": ("slo",), "itl_slo": ("slo",)}
+_REQUEST_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
+                    "DetokenizeRequest")
+
+
+def package_version() -> str:
+    """This package's version (``/version``, the document's), "0" when not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("inflight-serve")
+    except PackageNotFoundError:
+        return "0"
+
+
+def openapi_document(app: FastAPI, client: EngineClient, model_names: Sequence[str],
+                     rate_limited: bool = False) -> dict[str, Any]:
+    """The OpenAPI document as this server behaves: validation failures are 400 (FastAPI
+    documents 422); token ids and ``max_tokens`` carry this model's bounds, ``model`` the
+    served names, and only the scheduling fields this server's policy acts on are listed;
+    so a client, or a fuzzer, learns from it what will be accepted. Built once, cached on
+    ``app``."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=package_version(), summary=app.summary,
+                      routes=app.routes)
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            op["responses"].pop("422", None)
+    schemas = doc.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    _bound(schemas, {TOKEN_ID_MARK: client.tokenizer.vocab_size - 1,
+                     MAX_TOKENS_MARK: client.max_model_len - 1})
+    _name_models(doc, schemas, model_names)
+    policy = client.config.scheduling_policy
+    for field in [f for f, policies in _POLICY_FIELDS.items() if policy not in policies]:
+        for name in _REQUEST_SCHEMAS:
+            schemas.get(name, {}).get("properties", {}).pop(field, None)
+    if rate_limited:  # per-tenant limits: the generation routes may answer 429
+        for path in GENERATION_PATHS:
+            op = doc["paths"][path]["post"]
+            op["responses"]["429"] = {
+                "description": R.errors(429)[429]["description"],
+                "content": op["responses"]["400"]["content"]}
+    app.openapi_schema = doc
+    return doc
+
+
+def _bound(node: Any, bounds: dict[str, int]) -> None:
+    """Replace each bound mark (``protocol.TOKEN_ID_MARK``...) under ``node`` by its
+    ``maximum``."""
+    if isinstance(node, dict):
+        for mark, limit in bounds.items():
+            if node.pop(mark, False):
+                node["maximum"] = limit
+        for v in node.values():
+            _bound(v, bounds)
+    elif isinstance(node, list):
+        for v in node:
+            _bound(v, bounds)
+
+
+def _name_models(doc: dict[str, Any], schemas: dict[str, Any],
+                 model_names: Sequence[str]) -> None:
+    """``model`` fields and ``model_id`` parameters: one of the served names."""
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            for param in op.get("parameters", []):
+                if param.get("name") == "model_id":
+                    param["schema"] = {"type": "string", "enum": list(model_names)}
+    for name in _REQUEST_SCHEMAS:
+        props = schemas.get(name, {}).get("properties", {})
+        if "model" in props:
+            props["model"]["anyOf"] = [{"type": "string", "enum": list(model_names)},
+                                       {"type": "null"}]
