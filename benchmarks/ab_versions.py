@@ -8,7 +8,8 @@ host drift lands on both:
   measured by one fixed client (``inflight bench serve`` from ``--client-root``, so the
   instrument does not change with the code under test) at each ``--concurrency``: random
   prompts, ``--input-len`` in / ``--output-len`` out, ignore_eos; output tok/s, median TTFT
-  and median ITL from the vLLM-style result JSON;
+  and median ITL from the vLLM-style result JSON, and the CPU seconds the server spent on
+  all of them (less sensitive to the host's moment than wall-clock figures);
 - **offline**: ``LLM.generate`` of ``--offline-requests`` requests of the same lengths in a
   process of its own; output tok/s.
 
@@ -76,6 +77,12 @@ def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 1
     raise TimeoutError("server not healthy")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def serving(root: str, args: argparse.Namespace, out_dir: pathlib.Path) -> dict[str, float]:
     """Starts a server from ``root``, runs the fixed client at each concurrency, stops it."""
     port = _free_port()
@@ -85,6 +92,7 @@ def serving(root: str, args: argparse.Namespace, out_dir: pathlib.Path) -> dict[
     figures: dict[str, float] = {}
     try:
         _wait_healthy(port, proc)
+        cpu_at_start = _cpu_seconds(proc.pid)
         for c in args.concurrency:
             result = out_dir / f"serve-{port}-{c}.json"
             subprocess.run([PYTHON, "-m", "inflight.cli", "bench", "serve",
@@ -98,6 +106,9 @@ def serving(root: str, args: argparse.Namespace, out_dir: pathlib.Path) -> dict[
             figures[f"c{c} output tok/s"] = r["output_throughput"]
             figures[f"c{c} TTFT p50 ms"] = r["median_ttft_ms"]
             figures[f"c{c} ITL p50 ms"] = r["median_itl_ms"]
+        # The server's CPU for the fixed workload: wall-clock figures move with the host's
+        # moment, the work done for the same requests much less.
+        figures["server CPU s"] = _cpu_seconds(proc.pid) - cpu_at_start
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -120,7 +131,7 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--min-prompts", type=int, default=8)
-    p.add_argument("--offline-requests", type=int, default=32)
+    p.add_argument("--offline-requests", type=int, default=32, help="0: no offline figure")
     args = p.parse_args()
     args.client_root = args.client_root or args.a
     rows: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
@@ -128,7 +139,9 @@ def main() -> int:
         for rep in range(args.repeats):
             for label in (("A", "B") if rep % 2 == 0 else ("B", "A")):
                 root = args.a if label == "A" else args.b
-                figs = {**serving(root, args, pathlib.Path(tmp)), **offline(root, args)}
+                figs = serving(root, args, pathlib.Path(tmp))
+                if args.offline_requests:
+                    figs.update(offline(root, args))
                 load = os.getloadavg()[0]
                 for k, v in figs.items():
                     rows[label].setdefault(k, []).append(v)

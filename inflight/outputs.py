@@ -114,6 +114,6 @@ class RequestOutput:
                                          1.0 if self.retry_after is None else self.retry_after)
         if self.abort_reason:
             started = self.metrics is not None and self.metrics.first_token_time is not None
-            return EngineDeadError(f"the request was cut short {'after' if started else 'before'} "
-                                   f"its first token: {self.abort_reason}; retry it")
+            when = "before it finished" if started else "before its first token"
+            return EngineDeadError(f"the request was cut short {when}: {self.abort_reason}; retry it")
         return None

@@ -76,9 +76,10 @@ def make_offsets(n: int, process: str, rate: float = math.inf, burstiness: float
                  time_scale: float = 1.0) -> list[float]:
     """Offsets for the configured process; ``trace`` needs ``trace_times`` (from the dataset)."""
     if process == "trace":
-        if not trace_times or any(t is None for t in trace_times[:n]):
+        times = [t for t in (trace_times or [])[:n] if t is not None]
+        if not trace_times or len(times) < len(trace_times[:n]):
             raise ValueError("--arrival trace needs a trace dataset (--dataset trace)")
-        return trace_offsets(list(trace_times[:n]), time_scale)  # type: ignore[arg-type]
+        return trace_offsets(times, time_scale)
     return rate_offsets(n, rate, process, burstiness, seed)
 
 

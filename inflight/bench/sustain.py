@@ -60,6 +60,7 @@ Every verdict carries its evidence, pass or fail, as JSON and as printable lines
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -174,7 +175,8 @@ def judge(records: Sequence[RequestRecord], window: Window, slo: SLO, preemption
         found.statistic(key, iv, th.confidence, final)
     failed = [r for r in point if not r.success and not r.unfinished and not r.cancelled]
     if failed:
-        first = (failed[0].error or "unknown error")[:120]
+        # Bounded (an error can carry a whole HTML page) at a word, so the reason stays readable.
+        first = textwrap.shorten(failed[0].error or "unknown error", 300, placeholder=" ...")
         found.fail("failures", f"{len(failed)} requests failed (first: {first})")
     finished = sum(1 for r in point if r.success)
     per_req = preemptions / finished if preemptions is not None and finished else None

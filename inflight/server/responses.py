@@ -82,6 +82,7 @@ class TopLogprob(BaseModel):
 
 
 class TokenLogprob(TopLogprob):
+    # null for a token with no context (the first prompt token): OpenAI's shape, wider than the parent's
     logprob: float | None  # type: ignore[assignment]
     top_logprobs: list[TopLogprob]
 

@@ -56,7 +56,7 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
         raw = [req.prompt]
     elif req.prompt and isinstance(req.prompt[0], int):
         raw = [[int(t) for t in req.prompt]]
-    else:
+    else:  # a list of texts or of id lists (mypy cannot narrow a list by its elements)
         raw = req.prompt  # type: ignore[assignment]
     if not raw:
         raise bad_request("prompt: must not be empty", param="prompt")

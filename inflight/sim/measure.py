@@ -125,7 +125,10 @@ def derive(config: EngineConfig, args: argparse.Namespace) -> StepProfile:
         mc = read_gguf_config(meta, {t.name for t in tensors})
     else:
         mc, _ = load_model(path)
-    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if hw.kind == "gpu" else "float32")
+    # `auto` as the engine resolves it: bfloat16 where the hardware computes it natively
+    # (a GPU, or a CPU whose file lists bfloat16 FLOP/s), else float32.
+    native_bf16 = hw.kind == "gpu" or "bfloat16" in hw.peak_flops
+    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if native_bf16 else "float32")
     shape = ModelShape.from_config(mc)
     max_len = config.max_model_len or mc.max_position_embeddings
     engine = _engine_info(config, dtype, config.num_kv_blocks, max_len, mc.eos_token_ids,

@@ -526,7 +526,7 @@ def test_shutdown_abort_gives_a_queued_stream_503_and_a_running_one_an_error(tok
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' not in "".join(rest)
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert error["code"] == "server_unavailable"
-        assert "cut short after its first token" in error["message"] and "shutting down" in error["message"]
+        assert "cut short before it finished" in error["message"] and "shutting down" in error["message"]
         assert queued["status"] == 503
         assert queued["body"]["error"]["code"] == "server_unavailable"
         assert "shutting down" in queued["body"]["error"]["message"]  # the abort's reason

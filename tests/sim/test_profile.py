@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -131,3 +133,20 @@ def test_a_file_that_is_not_hardware_is_refused_plainly(tmp_path):
         Hardware.load(str(tmp_path / "x.json"))
     with pytest.raises(ValueError, match="not a hardware description"):
         Hardware.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("flops, expected", [({"bfloat16": 4e11, "float32": 2e11}, "bfloat16"),
+                                             ({"float32": 2e11}, "float32")])
+def test_a_roofline_profile_resolves_auto_dtype_as_the_engine_does(tmp_path, flops, expected):
+    # `inflight serve` runs bfloat16 where the CPU computes it natively; a roofline of such a
+    # CPU in float32 predicted a third of the server's limit.
+    import json
+
+    from inflight.cli import main
+    shipped = json.loads((pathlib.Path(__file__).resolve().parents[2] / "inflight/sim/hardware/"
+                          "cpu-2core-xeon.json").read_text())
+    hw = tmp_path / "cpu.json"
+    hw.write_text(json.dumps({**shipped, "name": "cpu-test", "peak_flops": flops}))
+    out = tmp_path / "p.json"
+    assert main(["profile", "--hardware", str(hw), "-o", str(out)]) == 0
+    assert load_profile(out).engine["dtype"] == expected
