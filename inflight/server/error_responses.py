@@ -20,6 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from inflight.errors import EngineError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+# fastapi/routing.py: the detail of the 400 raised when a body cannot be read as JSON.
+FASTAPI_BODY_DECODE_ERROR = "There was an error parsing the body"
 
 _TYPES = {
     400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -255,6 +257,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and message == FASTAPI_BODY_DECODE_ERROR:
+            # FastAPI's words when the bytes are not JSON text at all (not UTF-8, nested past
+            # the decoder's depth); said as malformed JSON, as a syntax error is.
+            message = "malformed JSON body: not decodable as UTF-8 JSON text (or nested too deeply)"
         return OpenAIError(exc.status_code, message,
                            headers=getattr(exc, "headers", None)).response()
 

@@ -128,7 +128,9 @@ class BodySizeLimitMiddleware:
 
 async def _reply(send: Send, status: int, message: str, code: str | None = None,
                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    payload = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    # Serialised as Starlette's JSONResponse does, so every error body reads the same.
+    payload = json.dumps(error_body(message, "invalid_request_error", None, code), ensure_ascii=False,
+                         separators=(",", ":")).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode()),

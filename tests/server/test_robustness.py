@@ -165,6 +165,16 @@ def test_json_sent_as_another_content_type_is_named_as_the_problem(served, url):
     assert "text/plain" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("content", [b'{"prompt": "\xff\xfe", "max_tokens": 2}', b"[" * 20_000])
+def test_a_body_that_is_not_json_text_says_malformed_json(served, url, content):
+    # Invalid UTF-8 and nesting past the decoder's depth: FastAPI's own "error parsing the
+    # body" before; the same words as any other malformed JSON now.
+    r = httpx.post(url + "/v1/completions", content=content, timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("malformed JSON body: ")
+
+
 def test_other_http_errors_are_openai_shaped(url):
     for r, status in ((httpx.get(url + "/v1/completions"), 405), (httpx.get(url + "/nope"), 404)):
         assert r.status_code == status
