@@ -30,12 +30,12 @@ from inflight.core.kv_cache import KVCacheManager
 from inflight.core.overload import OverloadShedder, capped_step_budget
 from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
 from inflight.core.policies import make_batching_policy
+from inflight.core.prompt_fit import PromptFit
 from inflight.core.queue_policy import make_policy
 from inflight.core.scheduler_config import SchedulerConfig
 from inflight.core.shedding import requests_to_shed
 from inflight.core.step_model import StepTimeModel
 from inflight.core.stopping import token_stop
-from inflight.errors import InvalidRequestError
 from inflight.request import Request, RequestStatus
 
 
@@ -68,9 +68,10 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.kv_cache = kv_cache
-        pool_tokens = kv_cache.num_blocks * kv_cache.block_size
-        self.max_model_len: int = config.max_model_len or max_model_len or pool_tokens
-        self.max_sequence_len = min(self.max_model_len, pool_tokens)
+        self.prompt_fit = PromptFit.for_pool(config, kv_cache.num_blocks * kv_cache.block_size,
+                                             max_model_len)
+        self.max_model_len = self.prompt_fit.max_model_len
+        self.max_sequence_len = self.prompt_fit.max_sequence_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -97,42 +98,9 @@ class Scheduler:
                                              max_queue_delay=config.max_queue_delay)
 
     # --- queue management -------------------------------------------------------------
-    def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None = None,
-                          ) -> int:
-        """The one prompt-fit rule: raise unless a prompt of ``num_prompt_tokens`` (plus
-        ``max_tokens``, when given: vLLM's server rule) can ever run here.
-
-        Returns:
-            ``max_tokens``, or ``max_model_len - num_prompt_tokens`` when it is None.
-
-        Raises:
-            InvalidRequestError: with ``param`` ``prompt`` (no room to generate within
-                ``max_model_len``, larger than the KV pool, or past the step budget with
-                chunked prefill off) or ``max_tokens`` (prompt + ``max_tokens`` past
-                ``max_model_len``); ``code`` ``context_length_exceeded``.
-        """
-        n, mml, cfg = num_prompt_tokens, self.max_model_len, self.config
-
-        def refuse(message: str, param: str = "prompt") -> InvalidRequestError:
-            return InvalidRequestError(message, param=param, code="context_length_exceeded")
-        if n >= mml:
-            raise refuse(f"This model's maximum context length (max_model_len) is {mml} "
-                         f"tokens. However, your prompt has {n} tokens, which leaves no room "
-                         f"to generate. Please reduce the length of the input.")
-        if n >= self.max_sequence_len:
-            raise refuse(f"The prompt ({n} tokens) does not fit in the KV cache "
-                         f"({self.max_sequence_len} tokens).")
-        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
-            raise refuse(f"The prompt ({n} tokens) exceeds max_num_batched_tokens "
-                         f"({cfg.max_num_batched_tokens}) with chunked prefill off.")
-        if max_tokens is None:
-            return mml - n
-        if n + max_tokens > mml:
-            raise refuse(f"This model's maximum context length is {mml} tokens. However, you "
-                         f"requested {n + max_tokens} tokens ({n} in the input, {max_tokens} "
-                         f"in the completion). Please reduce the length of the input or "
-                         f"completion.", param="max_tokens")
-        return max_tokens
+    def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> int:
+        """The one prompt-fit rule (``PromptFit.check``) with this scheduler's limits."""
+        return self.prompt_fit.check(num_prompt_tokens, max_tokens)
 
     def add_request(self, request: Request) -> None:
         self.policy.on_arrival(request, self.waiting, self.running)

@@ -12,23 +12,22 @@ from collections.abc import Callable
 from typing import Any
 
 from inflight.config import EngineConfig
-from inflight.core.kv_cache import KVCacheManager
-from inflight.core.scheduler import Scheduler
+from inflight.core.prompt_fit import PromptFit
 from inflight.errors import InvalidRequestError
 from inflight.structured_output import GrammarCompiler, StructuredOutputsParams
 
-PromptFit = Callable[[int, "int | None"], int]
+PromptFitCheck = Callable[[int, "int | None"], int]
 
 
 class RequestRules:
     """The prompt-fit rule and the structured-output grammar compiler of one engine.
 
     Args:
-        prompt_fits: ``Scheduler.check_prompt_fits`` of the engine the requests go to.
+        prompt_fits: ``PromptFit.check`` with the limits of the engine the requests go to.
         tokenizer: the engine's tokenizer; None: no grammar can be compiled.
     """
 
-    def __init__(self, prompt_fits: PromptFit, tokenizer: Any) -> None:
+    def __init__(self, prompt_fits: PromptFitCheck, tokenizer: Any) -> None:
         self._prompt_fits = prompt_fits
         self.grammar_compiler = GrammarCompiler(tokenizer) if tokenizer is not None else None
 
@@ -37,11 +36,11 @@ class RequestRules:
                  max_model_len: int) -> "RequestRules":
         """The rules of an engine with ``config``, a KV pool of ``num_blocks`` and
         ``max_model_len``, without its model (a cluster ingress)."""
-        pool = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False)
-        return cls(Scheduler(config, pool, max_model_len).check_prompt_fits, tokenizer)
+        fit = PromptFit.for_pool(config, num_blocks * config.block_size, max_model_len)
+        return cls(fit.check, tokenizer)
 
     def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> int:
-        """The engine's one prompt-fit rule (``Scheduler.check_prompt_fits``): returns
+        """The engine's one prompt-fit rule (``PromptFit.check``): returns
         ``max_tokens`` or its default; raises ``InvalidRequestError`` naming the field.
         Reads only settings, so any thread may call it."""
         return self._prompt_fits(num_prompt_tokens, max_tokens)
