@@ -1,18 +1,26 @@
-"""What the validation benchmarks share: a bench command run bounded, its output in a log
-file, with the machine's load average before and after (``limit_validation.py``,
-``limit_vs_llamacpp.py``)."""
+"""What the benchmarks share: a bench command run bounded, its output in a log file, with the
+machine's load average before and after (``limit_validation.py``, ``limit_vs_llamacpp.py``);
+a free local port for a server they start."""
 
 from __future__ import annotations
 
 import pathlib
 import shlex
 import signal
+import socket
 import subprocess
 import time
 
 from inflight.bench.machine import describe_machine
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def run_bounded(cmd: list[str], log_file: pathlib.Path, timeout: float, tail: int = 1500) -> dict:

@@ -27,13 +27,14 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+from _runs import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PYTHON = str(REPO / ".venv" / "bin" / "python")
@@ -50,12 +51,6 @@ res = llm.generate(prompts, params, use_tqdm=False)
 dt = time.perf_counter() - t
 print(sum(len(r.outputs[0].token_ids) for r in res) / dt)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(root: str) -> dict[str, str]:
@@ -85,7 +80,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def serving(root: str, args: argparse.Namespace, out_dir: pathlib.Path) -> dict[str, float]:
     """Starts a server from ``root``, runs the fixed client at each concurrency, stops it."""
-    port = _free_port()
+    port = free_port()
     log = open(out_dir / f"server-{port}.log", "wb")
     proc = subprocess.Popen([PYTHON, "-m", "inflight.cli", "serve", "--port", str(port)],
                             env=_env(root), stdout=log, stderr=subprocess.STDOUT)

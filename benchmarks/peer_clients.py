@@ -63,7 +63,6 @@ import pathlib
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,14 +72,9 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
 sys.path.insert(0, str(REPO))
+from _runs import free_port  # noqa: E402  (sibling benchmark module)
 TOOLS = ("inflight", "guidellm", "aiperf")
 LABEL = {"inflight": "inflight bench", "guidellm": "GuideLLM", "aiperf": "AIPerf"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def export_tokenizer(out: pathlib.Path, gguf: str | None) -> pathlib.Path:

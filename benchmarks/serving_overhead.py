@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _runs import free_port  # noqa: E402  (sibling benchmark module)
 
 from inflight.bench.client import (RequestRecord, event_loop_factory, make_client,  # noqa: E402
                                    stream_request)
@@ -91,12 +91,6 @@ class OfflineEngine:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def served_burst(base_url: str, streams: int, input_len: int, output_len: int,

@@ -51,7 +51,6 @@ import math
 import os
 import pathlib
 import random
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,6 +60,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _runs import free_port  # noqa: E402  (sibling benchmark module)
 
 from inflight.bench.arrivals import rate_offsets  # noqa: E402
 from inflight.bench.datasets import AZURE_CONV_FILE, DatasetConfig, build_dataset, default_data_dir  # noqa: E402
@@ -137,12 +137,6 @@ class Report:
 
 
 # --- server side --------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_bytes(pid: int) -> tuple[int | None, str]:
     """Resident set size of ``pid``: psutil when installed, else /proc/PID/status VmRSS."""
     try:

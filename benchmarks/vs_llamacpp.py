@@ -30,7 +30,6 @@ import json
 import os
 import pathlib
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _runs import free_port  # noqa: E402  (sibling benchmark module)
 
 from inflight.bench.server_proc import ServerProcess  # noqa: E402
 
@@ -57,12 +57,6 @@ def busy_share(seconds: float = 2.0) -> dict:
     total = max(1, t1 - t0)
     return {"busy": 1 - (i1 - i0) / total, "steal": (s1 - s0) / total,
             "load_average": os.getloadavg()[0]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_labeled(items: list[str], what: str) -> dict[str, str]:
