@@ -53,7 +53,7 @@ class ScoringRunner(ModelRunner):
         self.top1: dict[tuple[str, int], int] = {}
 
     def execute(self, out):
-        logits, requests = self.compute_logits(out)
+        logits, requests, _ = self.compute_logits(out)
         results = []
         for row, req in enumerate(requests):
             pos = req.num_tokens - 1

@@ -22,7 +22,7 @@ import torch
 
 import inflight.model.llama as llama
 from inflight.bench.timing import seconds_per_call
-from inflight.model.kernels import SKINNY_MAX_ROWS, skinny_linear
+from inflight.model.kernels import skinny_linear
 from inflight.model.kernels.native_lib import native_library
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -54,11 +54,11 @@ def shapes(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
 @contextlib.contextmanager
 def kernel_off():
     """Route ``Linear`` to oneDNN for any row count while inside."""
-    llama.SKINNY_MAX_ROWS = 0
+    llama.SKINNY_ROWS_OVERRIDE = 0
     try:
         yield
     finally:
-        llama.SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
+        llama.SKINNY_ROWS_OVERRIDE = None
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from inflight.core.overload import OVERLOAD_INTERVAL_S
 from inflight.core.policies import BATCHING_POLICIES
 from inflight.core.queue_policy import SCHEDULING_POLICIES
+from inflight.core.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -108,6 +109,8 @@ class EngineConfig:
         seed: seed of the default generator for unseeded sampling.
         step_breakdown: time each step's phases (``inflight.profiling``); the server logs
             them with its stats line.
+        speculative_config: speculative decoding (``core.spec_config``, vLLM's
+            ``--speculative-config`` JSON); None: off.
     """
 
     model: str | None = None
@@ -138,6 +141,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     step_breakdown: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -195,6 +199,13 @@ def _seconds_or_off(text: str) -> float | None:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'off', got {text!r}")
     return value or None
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parse_bytes(text: str) -> int:
@@ -273,6 +284,12 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
                         "(p - q) x this many seconds after it (0: no aging)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4}; off by default')
     g.add_argument("--step-breakdown", action="store_true",
                    help="time scheduling, input preparation, forward (attention apart), "
                         "sampling and output per step; logged with the stats line")

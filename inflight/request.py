@@ -115,6 +115,12 @@ class Request:
         # With ``sampling_params.structured_outputs``: this sequence's grammar matcher
         # (``structured_output.GrammarState``), set by the engine; the sampler masks by it.
         self.grammar: Any = None
+        # Speculative decoding (``core.speculation``): drafts proposed for the next step,
+        # drafted/accepted tokens in the current acceptance window, steps left paused.
+        self.spec_token_ids: list[int] = []
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_pause = 0
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0

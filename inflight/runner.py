@@ -74,21 +74,27 @@ class ModelRunner:
         self.sampler.release(request_id)
 
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
-        """Run one step; returns one sampled token per request that completed its tokens."""
+        """Run one step; returns the sampled tokens of the requests that completed their
+        tokens: one each, or for a request verifying drafts the ones it keeps."""
         FAULTS.check("runner")
-        logits, requests = self.compute_logits(out)
+        logits, requests, drafts = self.compute_logits(out)
         if not requests:
             return []
         with self.step_timer.section("sample"):
-            return self.sampler.sample(logits, requests)
+            return self.sampler.sample(logits, requests,
+                                       drafts if any(drafts) else None)
 
-    def compute_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Request]]:
-        """Forward the step; logits ``[num_sampling_rows, vocab]`` float32 and their requests.
+    def compute_logits(self, out: SchedulerOutput
+                       ) -> tuple[torch.Tensor | None, list[Request], list[list[int]]]:
+        """Forward the step; logits ``[num_sampling_rows, vocab]`` float32, their requests
+        and each request's drafts.
 
-        Only rows that sample (a request's last known token) reach the LM head.
+        Only rows that sample reach the LM head: a request's last known token, and for one
+        verifying drafts every draft row after it too (``1 + len(drafts)`` rows, in order).
         """
-        # Decodes of generated tokens first, then of a prompt's last token, then prefills:
-        # the model's quantized-weight rule is about the leading generated rows.
+        # Decodes of generated tokens first (draft rows among them), then of a prompt's
+        # last token, then prefills: the model's quantized-weight rule is about the leading
+        # generated rows.
         generated = [s for s in out.scheduled
                      if s.is_decode and s.num_computed_tokens >= s.request.num_prompt_tokens]
         decodes = generated + [
@@ -99,24 +105,26 @@ class ModelRunner:
         with timer.section("prepare"):
             input_ids, positions, meta = self._prepare(decodes, prefills)
             meta.timer = timer
-            meta.num_generated = len(generated)
-            rows, requests, prompt_rows = [], [], []
+            meta.num_generated = sum(s.num_scheduled_tokens for s in generated)
+            rows: list[int] = []
+            requests, drafts, prompt_rows = [], [], []
             row = 0
             for s in decodes + prefills:
                 if s.request.needs_prompt_logprobs:
                     prompt_rows.append((s, row))
                 row += s.num_scheduled_tokens
                 if s.samples:
-                    rows.append(row - 1)
+                    rows.extend(range(row - 1 - s.num_draft_tokens, row))
                     requests.append(s.request)
+                    drafts.append(s.draft_token_ids)
             index = torch.tensor(rows, device=self.device) if rows else None
         with timer.section("forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             for s, first_row in prompt_rows:
                 self._record_prompt_logprobs(hidden, s, first_row)
             if index is None:
-                return None, []
-            return self.model.compute_logits(hidden.index_select(0, index)), requests
+                return None, [], []
+            return self.model.compute_logits(hidden.index_select(0, index)), requests, drafts
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, s: ScheduledRequest,
                                 first_row: int) -> None:
@@ -170,15 +178,19 @@ class ModelRunner:
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
         dev = self.device
+        # A request verifying drafts is one decode row per token: row i attends to the
+        # keys up to its own position, which the step writes before any row attends.
+        seq_lens = [s.num_computed_tokens + i + 1
+                    for s in decodes for i in range(s.num_scheduled_tokens)]
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                                 num_decodes=len(decodes))
+                                 num_decodes=len(seq_lens))
         if decodes:
             width = max(len(s.block_table) for s in decodes)
-            tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+            tables = [s.block_table + [0] * (width - len(s.block_table))
+                      for s in decodes for _ in range(s.num_scheduled_tokens)]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-            meta.decode_seq_lens = torch.tensor(
-                [s.num_computed_tokens + 1 for s in decodes], dtype=torch.long, device=dev)
-        row = len(decodes)
+            meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=dev)
+        row = len(seq_lens)
         for s in prefills:
             n = s.num_scheduled_tokens
             used = -(-(s.num_computed_tokens + n) // bs)

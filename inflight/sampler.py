@@ -15,15 +15,50 @@ what they are batched with; unseeded ones share the engine's generator.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from inflight.core.output import SampleResult
 from inflight.faults import FAULTS
+from inflight.rejection_sampler import verify_greedy, verify_random
 from inflight.request import Request
+from inflight.sampling_params import SamplingParams
 from inflight.structured_output import GrammarState, apply_grammar_masks
 
 logger = logging.getLogger(__name__)
+
+
+class SamplingRow(Protocol):
+    """What the logits processors read of a row's request: a ``Request``, or a verification
+    row's view of it (``DraftedRow``)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+class DraftedRow:
+    """A request as its verification row ``j`` sees it: its output so far plus the ``j``
+    drafts before the row, as if they had been sampled (penalties and ``min_tokens``
+    count them, as they would in the steps speculation saves)."""
+
+    def __init__(self, request: Request, drafts: list[int]) -> None:
+        self.request_id = request.request_id
+        self.sampling_params = request.sampling_params
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output_token_ids = request.output_token_ids + drafts
+        self.eos_token_ids = request.eos_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
 
 class Sampler:
@@ -43,16 +78,22 @@ class Sampler:
         """Forget a finished request's generator."""
         self._request_generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
-        """Sample one token per row.
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               draft_token_ids: list[list[int]] | None = None) -> list[SampleResult]:
+        """Sample one token per row, or verify drafts.
 
         Args:
-            logits: ``[num_rows, vocab_size]`` float32, row ``i`` for ``requests[i]``.
+            logits: ``[num_rows, vocab_size]`` float32, row ``i`` for ``requests[i]``; with
+                drafts, ``1 + len(draft_token_ids[i])`` consecutive rows per request.
             requests: the rows' requests (their params and token history).
+            draft_token_ids: per request, the drafts its rows verify (``rejection_sampler``).
 
         Returns:
-            One ``SampleResult`` per row, in row order.
+            One ``SampleResult`` per row, in row order; with drafts, per request the tokens
+            it keeps (1 to ``1 + len(drafts)``), in order.
         """
+        if draft_token_ids is not None:
+            return self._sample_drafted(logits, requests, draft_token_ids)
         with torch.inference_mode():
             FAULTS.check("sampler")
             raw = logits
@@ -101,7 +142,42 @@ class Sampler:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=dead)
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample_drafted(self, logits: torch.Tensor, requests: list[Request],
+                        drafts: list[list[int]]) -> list[SampleResult]:
+        """Verify each request's drafts: its rows' logits processed as consecutive steps
+        would process them (``DraftedRow``), grammar masks included, then the greedy
+        match or speculative sampling of ``rejection_sampler``."""
+        with torch.inference_mode():
+            FAULTS.check("sampler")
+            views: list[SamplingRow] = []
+            first: list[int] = []
+            for r, d in zip(requests, drafts):
+                first.append(len(views))
+                views += [r] + [DraftedRow(r, d[:j]) for j in range(1, len(d) + 1)]
+            raw = logits
+            if any(_needs_penalties(v) for v in views):
+                logits = self._apply_penalties(logits.clone(), views)
+            drafts = [list(d) for d in drafts]
+            if any(r.grammar is not None and not r.grammar.is_terminated for r in requests):
+                logits = _mask_drafted_rows(logits if logits is not raw else logits.clone(),
+                                            requests, drafts, first)
+            targets = logits.argmax(dim=-1).tolist()
+            results: list[SampleResult] = []
+            for i, (r, d) in enumerate(zip(requests, drafts)):
+                rows = slice(first[i], first[i] + len(d) + 1)
+                if r.sampling_params.is_greedy:
+                    kept = verify_greedy(targets[rows], d)
+                else:
+                    probs = self._probs(logits[rows], views[rows])
+                    kept = verify_random(probs, d, self._generator_for(r))
+                kept = _advance_grammar(r, kept)
+                rows_kept = list(range(first[i], first[i] + len(kept)))
+                lps = self._logprobs(raw[rows_kept], torch.tensor(kept, device=raw.device),
+                                     [r] * len(kept))
+                results += [SampleResult(r, t, lp) for t, lp in zip(kept, lps)]
+            return results
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
         for i, r in enumerate(requests):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
@@ -126,12 +202,16 @@ class Sampler:
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    @staticmethod
+    def _probs(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, then top-k/top-p/min-p."""
         temps = torch.tensor([r.sampling_params.temperature for r in requests],
                              device=logits.device, dtype=logits.dtype)
         logits = logits / temps[:, None]
-        logits = _top_k_top_p_min_p(logits, requests)
-        probs = logits.softmax(dim=-1)
+        return _top_k_top_p_min_p(logits, requests).softmax(dim=-1)
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = self._probs(logits, requests)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws from p; each row uses its own
         # generator so a seeded request's draws do not depend on its neighbours.
         noise = torch.empty_like(probs)
@@ -171,13 +251,60 @@ class Sampler:
         return result
 
 
-def _needs_penalties(r: Request) -> bool:
+def _needs_penalties(r: SamplingRow) -> bool:
     p = r.sampling_params
     return (r.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
             or bool(p.presence_penalty) or bool(p.frequency_penalty) or bool(p.logit_bias))
 
 
-def _top_k_top_p_min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _mask_drafted_rows(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
+                       first: list[int]) -> torch.Tensor:
+    """Mask each constrained request's verification rows to what its grammar allows after
+    the drafts before each row, in place; a request's drafts are cut at the first one its
+    grammar refuses or after one that ends it (no row after it can be kept). The matcher
+    is rolled back to where it was."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    rows = []
+    for i, r in enumerate(requests):
+        state = r.grammar
+        if state is None or state.is_terminated:
+            continue
+        m, d, advanced = state.matcher, drafts[i], 0
+        for j in range(len(d) + 1):
+            m.fill_next_token_bitmask(bitmask, first[i] + j)
+            rows.append(first[i] + j)
+            if j == len(d) or not m.accept_token(d[j]):
+                del d[j:]
+                break
+            advanced += 1
+            if m.is_terminated():
+                del d[j + 1:]
+                break
+        if advanced:
+            m.rollback(advanced)
+    if rows:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    return logits
+
+
+def _advance_grammar(r: Request, kept: list[int]) -> list[int]:
+    """Advance ``r``'s grammar by the kept tokens; those after one that ends the grammar
+    are dropped (nothing may follow it)."""
+    state: Any = r.grammar
+    if state is None or state.is_terminated:
+        return kept
+    for j, t in enumerate(kept):
+        if not state.accept(t):  # cannot happen: the mask allowed it
+            logger.error("request %s: grammar rejected verified token %d", r.request_id, t)
+            return kept[:j]
+        if state.is_terminated:
+            return kept[:j + 1]
+    return kept
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """Mask logits outside each row's top-k / nucleus / min-p set with -inf."""
     params = [r.sampling_params for r in requests]
     if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 for p in params):

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import fields
+from dataclasses import replace
 from typing import Any
 
 from inflight.cluster.replica_state import ReplicaState, ray_error_cause, zero_stats
 from inflight.engine.admission import Admission
 from inflight.engine.engine_client import StepListener
-from inflight.engine.stats import EngineStats
+from inflight.engine.stats import EngineStats, sum_stats
 from inflight.engine.stream import RequestStream
 from inflight.errors import EngineError, RequestFailedError
 from inflight.outputs import RequestOutput
@@ -55,9 +55,8 @@ class ReplicaWatchers:
     def get_stats(self) -> EngineStats:
         """The replicas' last reported stats, summed (KV usage: the mean over live ones)."""
         live = [r.stats for r in self.replicas if r.up] or [zero_stats()]
-        total = {f.name: sum(getattr(s, f.name) for s in live) for f in fields(EngineStats)}
-        total["kv_cache_usage"] = total["kv_cache_usage"] / len(live)
-        return EngineStats(**total)
+        total = sum_stats(live)
+        return replace(total, kv_cache_usage=total.kv_cache_usage / len(live))
 
     def _router_forget(self, index: int) -> None:
         forget = getattr(self.router, "forget", None)

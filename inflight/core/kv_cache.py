@@ -203,6 +203,19 @@ class KVCacheManager:
             # they should be the first evicted.
             self.pool.free(table[::-1])
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Give back the blocks past the first ``cdiv(num_tokens, block_size)`` of
+        ``request``'s table (lookahead slots of rejected draft tokens); returns how many.
+        Those blocks hold no registered (full, known) tokens, so none is cached."""
+        table = self.block_tables.get(request.request_id)
+        keep = self.num_blocks_for(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.free(tail[::-1])
+        return len(tail)
+
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 

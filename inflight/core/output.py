@@ -23,6 +23,10 @@ class ScheduledRequest:
         block_table: block ids covering ``num_computed_tokens + len(token_ids)`` tokens.
         samples: the step completes the request's known tokens, so a token is sampled;
             False for a partial prefill chunk.
+        num_draft_tokens: the last this many of ``token_ids`` are drafts to verify
+            (speculative decoding, ``core.speculation``): the step samples at each of
+            the ``1 + num_draft_tokens`` rows and keeps the tokens up to the first draft
+            the target model disagrees with.
     """
 
     request: Request
@@ -30,6 +34,11 @@ class ScheduledRequest:
     num_computed_tokens: int
     block_table: list[int]
     samples: bool
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -37,7 +46,11 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.num_computed_tokens > 0
+        """One known token after cached context, drafts to verify or not: every row is
+        a single-query decode row (a draft row attends to the rows before it, whose keys
+        the step writes first)."""
+        return (len(self.token_ids) - self.num_draft_tokens == 1
+                and self.num_computed_tokens > 0)
 
 
 @dataclass
@@ -65,7 +78,8 @@ class SchedulerOutput:
 
 @dataclass
 class SampleResult:
-    """One sampled token, as the runner returns it for each row that samples.
+    """One sampled token, as the runner returns it for each row that samples; a request
+    verifying drafts gets one per token it keeps (1 to ``1 + num_draft_tokens``), in order.
 
     Attributes:
         request: whose token it is.

@@ -13,6 +13,10 @@ are shed (``core.shedding``):
   2. Waiting requests join, in order, while the batching policy allows, budget and
      ``max_num_seqs`` remain and their KV blocks fit.
 
+With ``speculative_config``, a decoding request's drafts (``Request.spec_token_ids``) join
+its one token in step 1 when ``core.speculation`` allows: they take budget and KV slots like
+any token; ``update`` keeps the accepted ones' positions and frees the rest's blocks.
+
 After the runner sampled, ``update`` appends each token and applies the token-level stops
 (``core.stopping``: EOS, stop token ids, ``max_tokens``, the sequence length limit), freeing a finished
 request's blocks at once. Stop strings are text, so the output processor checks them and
@@ -35,6 +39,7 @@ from inflight.core.queue_policy import make_policy
 from inflight.core.scheduler_config import SchedulerConfig
 from inflight.core.shedding import requests_to_shed
 from inflight.core.step_model import StepTimeModel
+from inflight.core.speculation import Speculation
 from inflight.core.stopping import token_stop
 from inflight.request import Request, RequestStatus
 
@@ -93,6 +98,8 @@ class Scheduler:
         self._left_out: set[str] = set()
         self.overload = OverloadShedder(config.overload_ttft, self.step_model,
                                         now=clock())
+        spec = config.speculative_config
+        self.speculation = Speculation(spec) if spec is not None else None
         self.batching = make_batching_policy(config.batching_policy,
                                              max_num_seqs=config.max_num_seqs,
                                              max_queue_delay=config.max_queue_delay)
@@ -159,6 +166,7 @@ class Scheduler:
         left_out: set[str] = set()
         served = self._served_this_step(ahead, left_out)
         self._shed(out, now, budget, ahead)
+        self._gate_drafts()
         budget = self._schedule_running(out, budget, served)
         if not out.preempted:
             self._schedule_waiting(out, budget, now, served)
@@ -202,18 +210,35 @@ class Scheduler:
             max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
                        s.request.num_prompt_tokens) - s.num_computed_tokens)
             for s in out.scheduled)
-        updated = []
-        for res in sampled:
+        updated: dict[str, Request] = {}
+        kept: dict[str, int] = {}
+        for i, res in enumerate(sampled):
             req = res.request
-            if req.is_finished:  # aborted while its step ran
+            kept[req.request_id] = kept.get(req.request_id, 0) + 1
+            if req.is_finished:  # aborted while its step ran, or stopped by an earlier token
                 continue
             req.append_output_token(res.token_id, res.logprobs, now)
             self.num_generation_tokens += 1
-            status = token_stop(req, self.max_sequence_len)
+            last = i + 1 == len(sampled) or sampled[i + 1].request is not req
+            status = token_stop(req, self.max_sequence_len, last)
             if status is not None:
                 self.finish_request(req, status)
-            updated.append(req)
-        return updated
+            updated[req.request_id] = req
+        if self.speculation is not None:
+            self.speculation.settle(out, kept, self.kv_cache)
+        return list(updated.values())
+
+    def _gate_drafts(self) -> None:
+        """Drop proposed drafts this step should not verify (``Speculation.gate``)."""
+        if self.speculation is not None:
+            self.speculation.gate(self.running)
+
+    def requests_to_draft(self) -> list[tuple[Request, int]]:
+        """The running requests whose next step may verify drafts, with how many to
+        propose; empty when speculation is off or this batch should not speculate."""
+        if self.speculation is None:
+            return []
+        return self.speculation.requests_to_draft(self.running, self.max_sequence_len)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           served: Callable[[Request], bool] | None) -> int:
@@ -227,14 +252,18 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            while not self.kv_cache.allocate(req, n):
+            drafts = self._drafts_for(req, n, budget)
+            while not self.kv_cache.allocate(req, n + len(drafts)):
+                if drafts:  # lookahead slots go before anyone is preempted for them
+                    drafts = []
+                    continue
                 # Only requests not yet given tokens this step (from i on) can be victims.
                 victim = self.running.pop(i + self.policy.preemption_victim(self.running[i:]))
                 self._preempt(victim, out)
                 if victim is req:
                     return budget
-            self._add_scheduled(out, req, n)
-            budget -= n
+            self._add_scheduled(out, req, n, drafts)
+            budget -= n + len(drafts)
             i += 1
         return budget
 
@@ -315,21 +344,35 @@ class Scheduler:
             return 0
         return n
 
-    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _drafts_for(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts ``req`` verifies this step: those proposed, when its one token is a
+        decode, as many as the budget left after it holds."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or n != 1 or req.num_uncomputed_tokens != 1:
+            return []
+        return drafts[:max(budget - 1, 0)]
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int,
+                       drafts: list[int] | None = None) -> None:
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens
+        drafts = drafts or []
         out.scheduled.append(ScheduledRequest(
             request=req,
-            token_ids=req.token_ids_slice(start, start + n),
+            token_ids=req.token_ids_slice(start, start + n) + drafts,
             num_computed_tokens=start,
             block_table=self.kv_cache.get_block_table(req.request_id),
             samples=samples,
+            num_draft_tokens=len(drafts),
         ))
-        out.num_batched_tokens += n
+        out.num_batched_tokens += n + len(drafts)
         self.policy.charge(req, max(0, min(start + n, req.num_prompt_tokens) - start), int(samples))
         req.num_computed_tokens += n
         self._count_recomputed(req.request_id, start, start + n)
+        # Only known tokens' blocks are registered; drafts' positions count as computed
+        # until ``update`` keeps the accepted ones (``_settle_drafts``).
         self.kv_cache.cache_full_blocks(req)
+        req.num_computed_tokens += len(drafts)
 
     def _count_recomputed(self, request_id: str, start: int, end: int) -> None:
         """Count the tokens ``[start, end)`` just scheduled that the request had computed
@@ -348,6 +391,7 @@ class Scheduler:
         self._recompute_until[rid] = max(self._recompute_until.get(rid, 0),
                                          req.num_computed_tokens)
         self.kv_cache.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from inflight.core.spec_config import SpeculativeConfig
+
 
 class SchedulerConfig(Protocol):
     """The knobs the scheduler reads (``inflight.config.EngineConfig`` has them all);
@@ -37,5 +39,5 @@ class SchedulerConfig(Protocol):
     def overload_ttft(self) -> float | None: ...
     @property
     def max_step_time(self) -> float | None: ...
-
-
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None: ...

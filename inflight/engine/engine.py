@@ -20,11 +20,12 @@ from inflight.core.scheduler import Scheduler
 from inflight.engine.inputs import tokenize_prompt
 from inflight.engine.output_processor import OutputProcessor
 from inflight.engine.request_rules import RequestRules
-from inflight.engine.stats import EngineStats
+from inflight.engine.stats import EngineStats, spec_decode_fields
 from inflight.outputs import RequestOutput
 from inflight.profiling import StepTimer
 from inflight.request import Request, RequestOptions, RequestStatus
 from inflight.sampling_params import SamplingParams
+from inflight.spec_decode import make_proposer
 from inflight.structured_output import GrammarState, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,11 @@ class Engine:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache, max_model_len, clock)
+        spec = config.speculative_config
+        # Drafts for the next step (speculative decoding); the scheduler's ``speculation``
+        # decides for whom and how many.
+        self.proposer = None if spec is None else make_proposer(
+            spec, engine_config=config, target_kv_tokens=num_blocks * config.block_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.rules = RequestRules(self.scheduler.check_prompt_fits, tokenizer)
         self._num_steps = 0
@@ -163,14 +169,16 @@ class Engine:
 
     def get_stats(self) -> EngineStats:
         """Counters since start and gauges now; prefix-cache counters leave readmissions
-        after preemption out, recomputation has ``num_recomputed_tokens``."""
+        after preemption out, recomputation has ``num_recomputed_tokens``; speculative
+        decoding's counters are copied from ``scheduler.speculation`` when it is on."""
         s, kv = self.scheduler, self.kv_cache
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=kv.usage(),
             num_preemptions=s.num_preemptions, prompt_tokens=s.num_prompt_tokens,
             generation_tokens=s.num_generation_tokens, num_steps=self._num_steps,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            num_recomputed_tokens=s.num_recomputed_tokens)
+            num_recomputed_tokens=s.num_recomputed_tokens,
+            **spec_decode_fields(None if s.speculation is None else s.speculation.stats))
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -201,18 +209,32 @@ class Engine:
                     self._abort(self.output_processor.end_group(
                         s.request.request_id, error=f"{type(e).__name__}: {e}"))
             else:
-                self.scheduler.step_model.observe(out.num_batched_tokens, self.clock() - t0)
+                seconds = self.clock() - t0
+                self.scheduler.step_model.observe(out.num_batched_tokens, seconds)
                 with timer.section("output"):
                     updated = self.scheduler.update(out, sampled)
                     processed = self.output_processor.process(updated)
+                    self.scheduler.num_generation_tokens -= processed.num_dropped_tokens
                     self._abort(processed.failed)
                     for req, stop in processed.stopped:
                         self.scheduler.stop_request(req, stop)
                     self._release([r for r in updated if r.is_finished])
+                if self.proposer is not None:
+                    self._propose(out, seconds)
         with timer.section("output"):
             outputs = self.output_processor.make_outputs(self._abort)
         timer.end_step(len(out.scheduled), out.num_batched_tokens)
         return outputs
+
+    def _propose(self, out: SchedulerOutput, seconds: float) -> None:
+        """Feed the step's cost to the load-aware switch (decode-only steps: their cost
+        is what drafts add to) and draft for the next step."""
+        spec = self.scheduler.speculation
+        assert spec is not None and self.proposer is not None
+        if all(s.is_decode for s in out.scheduled):
+            spec.observe_step(out.num_batched_tokens, seconds)
+        with self.step_timer.section("propose"):
+            self.proposer.propose(self.scheduler.requests_to_draft())
 
     def _abort(self, requests: Sequence[Request]) -> None:
         for req in requests:
@@ -220,6 +242,8 @@ class Engine:
         self._release(requests)
 
     def _release(self, requests: Iterable[Request]) -> None:
-        if self._runner_release is not None:
-            for req in requests:
-                self._runner_release(req.request_id)
+        releases = [f for f in (self._runner_release, getattr(self.proposer, "release", None))
+                    if f is not None]
+        for req in requests:
+            for release in releases:
+                release(req.request_id)

@@ -17,78 +17,17 @@ from inflight.engine.memory import bound_primitive_caches
 from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model, read_gguf_blocks
+# Re-exported (``as``): the engine's callers and tests resolve them here.
+from inflight.model.placement import cpu_has_native_bf16 as cpu_has_native_bf16
+from inflight.model.placement import resolve_device as resolve_device
+from inflight.model.placement import resolve_dtype as resolve_dtype
+from inflight.model.placement import resolve_model_path as resolve_model_path
+from inflight.model.placement import resolve_quantization as resolve_quantization
 from inflight.model.quant import QuantFormat
 from inflight.runner import ModelRunner, kv_block_bytes
 from inflight.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """The model to load: ``model``, or the bundled SmolLM2-135M GGUF when None."""
-    if model is None:
-        from inflight.model.bundled import find_bundled_model
-        return find_bundled_model()
-    return Path(model).expanduser()
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` means CUDA when available, else CPU.
-
-    Raises:
-        ValueError: ``cuda`` asked for on a machine without it.
-    """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda requested but torch.cuda.is_available() is False")
-    return torch.device(device)
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has native bfloat16 dot products: the ``avx512_bf16`` (AVX512-BF16,
-    ``vdpbf16ps``) or ``amx_bf16`` (AMX) flag in Linux's ``/proc/cpuinfo``. False where the
-    file is missing or unreadable (another OS): float32 is the safe default there."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` picks the fast path, as vLLM's CPU backend does: bfloat16 on CUDA and on CPUs
-    with native bfloat16 dot products (``cpu_has_native_bf16``), float32 on other CPUs
-    (there bfloat16 is emulated and slower). On this machine's AVX512-BF16 cores a bfloat16
-    decode step is ~1.5x faster than float32 (docs/performance.md). float32 stays the
-    exact one: it matches HF's float32 token for token, while bfloat16 rounds at other
-    points than HF's bfloat16 and is checked by teacher forcing instead
-    (tests/model/test_bf16_vs_hf.py)."""
-    if dtype == "auto":
-        if device.type == "cuda" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    return _DTYPES[dtype]
-
-
-def resolve_quantization(quantization: str, path: Path, device: torch.device) -> str:
-    """``auto``: ``gguf`` for a GGUF file on CPU (its blocks as the file has them, the way
-    llama.cpp serves it), ``none`` elsewhere. The block kernels are CPU code.
-
-    Raises:
-        ValueError: a quantization on CUDA, or ``gguf`` for a model that is not a GGUF file.
-    """
-    if quantization == "auto":
-        return "gguf" if device.type == "cpu" and path.is_file() else "none"
-    if quantization != "none" and device.type != "cpu":
-        raise ValueError(f"quantization: {quantization} runs on CPU only (device {device})")
-    if quantization == "gguf" and not path.is_file():
-        raise ValueError(f"quantization: gguf needs a GGUF file, {path} is a directory")
-    return quantization
 
 
 def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.device,

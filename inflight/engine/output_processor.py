@@ -87,10 +87,14 @@ class ProcessedStep:
     Attributes:
         stopped: ``(request, stop string)`` to end as stopped.
         failed: requests whose group failed in output processing; to abort.
+        num_dropped_tokens: sampled tokens dropped because a stop string ended their
+            sequence at an earlier token of the same step (drafts verified together); the
+            generation-token count takes them back, as they are never returned.
     """
 
     stopped: list[tuple[Request, str]] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
+    num_dropped_tokens: int = 0
 
 
 class OutputProcessor:
@@ -154,7 +158,7 @@ class OutputProcessor:
 
     # --- a step's tokens ----------------------------------------------------------------
     def process(self, requests: Iterable[Request]) -> ProcessedStep:
-        """Detokenize each request's newest token and check its stop strings.
+        """Detokenize each request's new tokens and check its stop strings.
 
         A sequence whose output processing raises fails its whole group (logged); the
         others go on.
@@ -163,7 +167,9 @@ class OutputProcessor:
         for req in requests:
             seq = self._seqs[req.request_id]
             try:
+                before = req.num_output_tokens
                 stop = self._detokenize(seq)
+                result.num_dropped_tokens += before - req.num_output_tokens
             except Exception as e:  # fail only the request whose output broke
                 logger.exception("output of %s failed", req.request_id)
                 result.failed += self.end_group(req.request_id, error=f"{type(e).__name__}: {e}")
@@ -174,14 +180,24 @@ class OutputProcessor:
         return result
 
     def _detokenize(self, seq: _Sequence) -> str | None:
+        """Detokenize the sequence's new tokens (several after a verification of drafts),
+        checking stop strings after each; tokens after the one that completes a stop
+        string are dropped, as if generation had stopped there."""
         if seq.detokenizer is None:
             return None
         req = seq.request
         FAULTS.check("detokenizer", req.request_id)
-        past_min = req.num_output_tokens > req.sampling_params.min_tokens  # vLLM's rule, above
-        stop: str | None = seq.detokenizer.add_tokens(req.output_token_ids[-1:],
-                                                      check_stop=past_min)
-        return stop
+        det = seq.detokenizer
+        new = req.output_token_ids[det.num_output_tokens:]
+        for j, token in enumerate(new):
+            past_min = det.num_output_tokens + 1 > req.sampling_params.min_tokens  # vLLM's rule
+            stop: str | None = det.add_tokens([token], check_stop=past_min)
+            if stop is not None:
+                keep = req.num_output_tokens - (len(new) - j - 1)
+                del req.output_token_ids[keep:]
+                del req.output_logprobs[keep:]
+                return stop
+        return None
 
     def end_group(self, request_id: str, *, error: str | None = None,
                   shed_reason: str | None = None, abort_reason: str | None = None,

@@ -23,7 +23,8 @@ from torch import nn
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.hparams import ModelConfig
 from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
-                                    quant_linear, rms_norm, silu_and_mul, skinny_linear)
+                                    quant_linear, rms_norm, silu_and_mul, skinny_linear,
+                                    skinny_max_rows)
 from inflight.model.kernels.native_lib import onednn_has_amx
 from inflight.model.llama_weights import fuse_hf_weights, quantize_fused, set_parameters
 from inflight.model.quant import QuantizedWeight
@@ -49,6 +50,14 @@ def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 # (about twice oneDNN's AVX-512 bfloat16 speed there).
 _quantized_rows: ContextVar[int] = ContextVar("quantized_rows", default=0)
 
+# Most rows a dense Linear sends to the skinny kernel; None: the kernel's own measured limit
+# for this CPU (``kernels.skinny_max_rows``). Benchmarks set 0 to compare with oneDNN.
+SKINNY_ROWS_OVERRIDE: int | None = None
+
+
+def _skinny_rows() -> int:
+    return skinny_max_rows() if SKINNY_ROWS_OVERRIDE is None else SKINNY_ROWS_OVERRIDE
+
 
 class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not followed
     """``nn.Linear`` whose weight, on CPU, is prepacked once into oneDNN's blocked layout,
@@ -66,7 +75,10 @@ class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not foll
 
     def prepack(self) -> None:
         if _can_prepack(self.weight.device, self.weight.dtype):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            except RuntimeError:  # bfloat16 on a CPU oneDNN has no bf16 path for (AVX2)
+                self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quant, rows = self.quant, _quantized_rows.get()
@@ -82,11 +94,14 @@ class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not foll
         return self._dense(x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2:
-            # A row or two: streaming the weight once beats oneDNN's GEMM (skinny_linear).
-            y = skinny_linear(x, self.weight, self.bias) if x.shape[0] <= SKINNY_MAX_ROWS else None
+        if x.dim() == 2 and x.shape[0] <= _skinny_rows():
+            # A few rows: streaming the weight once beats oneDNN's GEMM (skinny_linear; None
+            # off CPU or for another dtype). It needs no prepacked weight: a CPU whose
+            # oneDNN cannot reorder bfloat16 (AVX2) still gets it.
+            y = skinny_linear(x, self.weight, self.bias)
             if y is not None:
                 return y
+        if self.packed is not None and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -247,7 +262,7 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
             module.quant = qw
         linears = self._layer_linears()
         self.all_quantized = bool(linears) and all(m.quant is not None for m in linears)
-        self.fused_decode_rows = sys.maxsize if self.all_quantized else SKINNY_MAX_ROWS
+        self.fused_decode_rows = sys.maxsize if self.all_quantized else _skinny_rows()
         self.quantized_prompts = (self.all_quantized and self.device.type == "cpu"
                                   and not onednn_has_amx())
 
@@ -281,15 +296,12 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
     def _decode_layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """The per-layer address table ``decode_layers`` takes, built once per KV cache
         list (the runner keeps one for its life); None where the modules would not run the
-        native kernels the C path repeats (weights not prepacked for the skinny kernel,
-        another dtype, off CPU)."""
+        native kernels the C path repeats (another dtype, off CPU)."""
         if self._decode_table is not None and self._decode_table[0] is kv_caches:
             return self._decode_table[1]
         table = None
-        linears = self._layer_linears()
         tensors = [p for layer in self.layers for p in layer.parameters()] + list(kv_caches)
         if (len(kv_caches) == len(self.layers)
-                and all(m.packed is not None or m.quant is not None for m in linears)
                 and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
                         for t in tensors)):
             rows = []

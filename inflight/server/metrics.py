@@ -43,6 +43,7 @@ built without a ``model_name`` (an engine without a server, in tests) leaves it 
 ``inflight:cache_config_info`` (a gauge at 1, vLLM's emulated Info) carries the KV cache
 configuration as labels: ``block_size``, ``num_gpu_blocks`` (vLLM's name for the KV pool
 size in blocks, wherever the pool lives), ``cache_dtype``, ``enable_prefix_caching``.
+Speculative decoding adds ``inflight:spec_decode_*`` (``spec_metrics.py``), absent when off.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from inflight.engine.engine_client import EngineClient
-from inflight.engine.stats import EngineStats
+from inflight.engine.stats import EngineStats, spec_decode_summary
 from inflight.outputs import RequestMetrics, RequestOutput
 from inflight.server.metric_windows import SlidingWindow, WindowCollector, token_count_buckets
+from inflight.server.spec_metrics import SpecDecodeSeries
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -142,13 +144,15 @@ class ServerMetrics:
             (vLLM's); None leaves the label off.
         cache_config: labels of ``inflight:cache_config_info`` (vLLM's ``cache_config_info``:
             ``block_size``, ``num_gpu_blocks``, ``cache_dtype``, ``enable_prefix_caching``).
+        num_speculative_tokens: k when the server speculates (``spec_metrics.py``), else None.
     """
 
     def __init__(self, engine_state: EngineState, *, window_s: float = 60.0,
                  max_num_batched_tokens: int = 8192,
                  config_labels: dict[str, str] | None = None,
                  model_name: str | None = None,
-                 cache_config: dict[str, str] | None = None) -> None:
+                 cache_config: dict[str, str] | None = None,
+                 num_speculative_tokens: int | None = None) -> None:
         self.registry = CollectorRegistry()
         self._engine_state = engine_state
         self.model_name = model_name
@@ -159,9 +163,10 @@ class ServerMetrics:
         self._add_token_series(series, token_count_buckets(max_len), max_num_batched_tokens)
         self._add_engine_series(series, engine_state)
         self._add_info(series, config_labels, cache_config)
-        self.windows = {"time_to_first_token_seconds": SlidingWindow(window_s),
-                        "inter_token_latency_seconds": SlidingWindow(window_s),
-                        "e2e_request_latency_seconds": SlidingWindow(window_s)}
+        self.spec_decode = SpecDecodeSeries.when_on(self.registry, lab, num_speculative_tokens)
+        self.windows = {name: SlidingWindow(window_s) for name in (
+            "time_to_first_token_seconds", "inter_token_latency_seconds",
+            "e2e_request_latency_seconds")}
         self.registry.register(WindowCollector(self.windows, lab))
         self.window_s = window_s
         # Counter deltas start from now: an engine reused by a second app keeps its history.
@@ -178,10 +183,12 @@ class ServerMetrics:
     def for_client(cls, client: EngineClient, model_name: str,
                    window_s: float = 60.0) -> "ServerMetrics":
         """The metrics of a server (or replica) of ``client``, labelled with its settings."""
+        spec = client.config.speculative_config
         return cls(client, window_s=window_s,
                    max_num_batched_tokens=client.config.max_num_batched_tokens,
                    config_labels=config_labels(client, model_name), model_name=model_name,
-                   cache_config=cache_config_labels(client))
+                   cache_config=cache_config_labels(client),
+                   num_speculative_tokens=None if spec is None else spec.num_speculative_tokens)
 
     def _add_latency_series(self, s: _Series) -> None:
         self.ttft = s.histogram("inflight:time_to_first_token_seconds",
@@ -286,6 +293,8 @@ class ServerMetrics:
         if stats.num_steps > last.num_steps:
             self.iteration_tokens.observe(stats.prompt_tokens + stats.generation_tokens
                                           - last.prompt_tokens - last.generation_tokens)
+        if self.spec_decode is not None:
+            self.spec_decode.on_step(stats, last)
         self._last_stats = stats
         for out in outputs:
             self._observe(out, now)
@@ -368,14 +377,14 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def stats(self) -> dict[str, Any]:
-        """``GET /stats``: window percentiles plus the current engine gauges and counters."""
+        """``GET /stats``: window percentiles plus the current engine gauges and counters,
+        and ``spec_decode`` (``spec_decode_summary``) when the server speculates."""
         s = self._engine_state.get_stats()
         now = time.monotonic()
+        spec = {} if self.spec_decode is None else {"spec_decode": spec_decode_summary(s)}
         return {
             "window_seconds": self.window_s,
-            "time_to_first_token_seconds": self.windows["time_to_first_token_seconds"].summary(now),
-            "inter_token_latency_seconds": self.windows["inter_token_latency_seconds"].summary(now),
-            "e2e_request_latency_seconds": self.windows["e2e_request_latency_seconds"].summary(now),
+            **{name: window.summary(now) for name, window in self.windows.items()},
             "num_requests_running": s.num_running,
             "num_requests_waiting": self._engine_state.num_waiting,
             "kv_cache_usage_perc": s.kv_cache_usage,
@@ -386,4 +395,5 @@ class ServerMetrics:
             "prefix_cache_queries_total": s.prefix_cache_queries,
             "prefix_cache_hits_total": s.prefix_cache_hits,
             "num_recomputed_tokens_total": s.num_recomputed_tokens,
+            **spec,
         }

@@ -30,10 +30,12 @@ from inflight.bench.session import ArrivalConfig, LoadConfig, PointResult, Sessi
 from inflight.bench.summary import SLO
 from inflight.bench.sustain import Thresholds
 from inflight.config import DEFAULT_MAX_NUM_WAITING, EngineConfig
+from inflight.core.spec_config import SpeculativeConfig
 from inflight.routing import ROUTERS, make_router
 from inflight.sim.profile import StepProfile, load_profile, profile_warnings
 from inflight.sim.sim_point import simulate_point
 from inflight.sim.simulator import Simulator
+from inflight.sim.virtual_replica import NO_ACCEPTANCE
 
 # ``inflight serve``'s argument parser: its flags after ``serve`` -> the parsed Namespace
 # (SystemExit on bad flags, as argparse).
@@ -174,7 +176,8 @@ def sim_setup(profile_path: str, command: str | None, parse_serve: ServeParser, 
     ``parse_serve``, else the profile's).
 
     Raises:
-        ValueError: a bad profile, command, replica count or router.
+        ValueError: a bad profile, command, replica count or router; a speculating
+            engine with a profile that has no acceptance rates.
         FileNotFoundError: no profile, or the profile's model file is gone.
     """
     from inflight.tokenizer import Tokenizer
@@ -188,6 +191,8 @@ def sim_setup(profile_path: str, command: str | None, parse_serve: ServeParser, 
     for note, _ in profile_warnings(profile):
         print(f"WARNING: {profile_path}: {note}", file=sys.stderr)
     config, extra = _engine_settings(profile, command, parse_serve)
+    if config.speculative_config is not None and profile.acceptance is None:
+        raise ValueError(f"{profile_path}: {NO_ACCEPTANCE}")
     eng = profile.engine
     num_blocks, max_model_len = _kv_capacity(profile, config)
     path = eng.get("model_path")
@@ -212,6 +217,8 @@ def _engine_settings(profile: StepProfile, command: str | None, parse_serve: Ser
         config, extra = parse_serve_command(command, parse_serve)
     else:
         known = {k: v for k, v in eng.get("config", {}).items() if k in EngineConfig.__dataclass_fields__}
+        if isinstance(known.get("speculative_config"), dict):  # saved by dataclasses.asdict
+            known["speculative_config"] = SpeculativeConfig.from_dict(known["speculative_config"])
         config = EngineConfig(**known)
     dtype = eng.get("dtype")
     if command and config.dtype not in ("auto", dtype):

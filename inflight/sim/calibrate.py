@@ -29,7 +29,8 @@ from inflight.bench.machine import HostMonitor, describe_machine
 from inflight.bench.ramp import run_ramp
 from inflight.bench.session import Session
 from inflight.bench.simulation import SearchPlan
-from inflight.sim.bench import ServeParser, open_sim_session, sim_setup
+from inflight.sim.acceptance import acceptance_of
+from inflight.sim.bench import ServeParser, open_sim_session, parse_serve_command, sim_setup
 from inflight.sim.fitted_cost import fit_cost_model, summary_line
 from inflight.sim.profile import StepProfile, profile_warnings, sample_row, save_profile
 from inflight.sim.steplog import read_step_logs
@@ -52,7 +53,8 @@ def fit_step_log(path: str | pathlib.Path, host: dict[str, Any] | None = None,
               for kind, fit in cost.fits.items()}
     machine = {**describe_machine(), "step_logs": [str(path)], "host_load": host}
     profile = StepProfile("serving (calibration ramp)", cost, header["engine"], header["model"], machine,
-                          samples=[sample_row(s, t) for s, t in zip(shapes, seconds)])
+                          samples=[sample_row(s, t) for s, t in zip(shapes, seconds)],
+                          acceptance=acceptance_of(header.get("spec_decode")))
     return profile, errors
 
 
@@ -100,6 +102,10 @@ class CalibratedPredictor:
         warnings = profile_warnings(profile)
         notes = [note for note, _ in warnings]
         blocking = any(block for _, block in warnings)
+        if profile.acceptance is None and parse_serve_command(self.command, self.parse_serve)[0].speculative_config:
+            notes.append("the server verified no drafts during the ramp: no acceptance rates to simulate "
+                         "its speculative decoding with")
+            return Prediction(None, None, False, notes, time.perf_counter() - t0, {**details, "host": self.host})
         quiet = io.StringIO()  # the notes say what the profile's warnings would
         with contextlib.redirect_stderr(quiet):
             setup = sim_setup(str(self.profile_out), self.command, self.parse_serve)

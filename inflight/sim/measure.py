@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from inflight.sim.acceptance import acceptance_of
 from inflight.sim.fitted_cost import FittedCostModel, fit_cost_model, summary_line
 from inflight.sim.profile import StepProfile, profile_warnings, sample_row, save_profile
 from inflight.sim.step_shape import StepShape
@@ -196,7 +197,8 @@ def from_step_logs(paths: list[str]) -> StepProfile:
     cost = _fit_and_report(shapes, seconds)
     machine = {**describe_machine(), "step_logs": [str(p) for p in paths]}
     return StepProfile("serving", cost, header["engine"], header["model"], machine,
-                       samples=[sample_row(s, t) for s, t in zip(shapes, seconds)])
+                       samples=[sample_row(s, t) for s, t in zip(shapes, seconds)],
+                       acceptance=acceptance_of(header.get("spec_decode")))
 
 
 def measure(config: EngineConfig, args: argparse.Namespace) -> StepProfile:

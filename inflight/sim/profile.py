@@ -8,7 +8,9 @@ the model's shapes, for machines not at hand).
 
 Saved as JSON (:func:`save_profile`, :func:`load_profile`) with the fit error, the machine,
 the model and the engine settings it ran with; :func:`profile_warnings` says when a profile
-should not be trusted.
+should not be trusted. A profile for speculative decoding also carries how often drafts
+are accepted (``"speculation"``, :mod:`inflight.sim.acceptance`); a verification's cost is
+the cost model's, its rows being decode rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from inflight.bench.machine import BUSY_OTHERS_CORES, BUSY_STEAL
+from inflight.sim.acceptance import AcceptanceProfile
 from inflight.sim.fitted_cost import FittedCostModel
 from inflight.sim.step_shape import CostModel, StepShape
 
@@ -41,6 +44,8 @@ class StepProfile:
             template, tokenizer); added before a simulated request is queued.
         delivery_s: seconds from a step's end to the client reading its tokens.
         samples: the measured steps ``[StepShape fields..., seconds]`` (measured only).
+        acceptance: per-position draft acceptance rates for a speculating engine (saved as
+            ``"speculation"``); None: the profile cannot simulate speculative decoding.
     """
 
     source: str
@@ -52,6 +57,7 @@ class StepProfile:
     delivery_s: float = 0.0005
     samples: list[list[float]] = field(default_factory=list)
     created_at: str | None = None
+    acceptance: AcceptanceProfile | None = None
 
     def predict(self, shape: StepShape) -> float:
         return self.cost.predict(shape)
@@ -75,6 +81,8 @@ def save_profile(path: str | pathlib.Path, profile: StepProfile) -> None:
            "engine": profile.engine, "overheads": {"request_s": profile.request_overhead_s,
                                                    "delivery_s": profile.delivery_s},
            "cost": cost, "samples": profile.samples}
+    if profile.acceptance is not None:
+        doc["speculation"] = profile.acceptance.to_json()
     pathlib.Path(path).write_text(json.dumps(doc, indent=1))
 
 
@@ -105,12 +113,25 @@ def load_profile(path: str | pathlib.Path) -> StepProfile:
         else:
             raise ValueError(f"{path}: unknown cost model {cost_doc['kind']!r}")
         over = doc.get("overheads", {})
+        spec = doc.get("speculation")
         return StepProfile(doc["source"], cost, doc["engine"], doc["model"], doc["machine"],
                            float(over.get("request_s", 0.002)), float(over.get("delivery_s", 0.0005)),
-                           doc.get("samples", []), doc.get("created_at"))
+                           doc.get("samples", []), doc.get("created_at"),
+                           _acceptance(path, spec))
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: a damaged step profile (missing or bad {e}); make it again "
                          f"with `inflight profile`") from None
+
+
+def _acceptance(path: str | pathlib.Path, doc: Any) -> AcceptanceProfile | None:
+    """A profile's ``"speculation"`` object (None when absent). ValueError naming the file."""
+    if doc is None:
+        return None
+    try:
+        return AcceptanceProfile.from_json(doc)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: a bad \"speculation\" object ({e}); expected "
+                         f"{{\"acceptance_per_position\": [rates in 0..1], \"draft_s\": seconds}}") from None
 
 
 def shape_from_row(row: Sequence[float]) -> tuple[StepShape, float]:

@@ -14,6 +14,10 @@ tokenizer), and each replica steps back to back while it has work, as the server
 thread does (a step that schedules nothing waits the thread's idle poll). A step's tokens
 reach the client ``delivery_s`` after it ends. Requests arriving during a step join the
 next one. The router sees what each replica reported at its last step's end.
+
+With ``speculative_config`` each replica's scheduler speculates as serving would; how many
+drafts a verification keeps is drawn from an acceptance profile (``acceptance``, else the
+profile's ``speculation``: :mod:`inflight.sim.acceptance`), from its own seeded stream.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from inflight.outputs import RequestOutput
 from inflight.request import RequestOptions
 from inflight.routing import Router, RoundRobinRouter
 from inflight.sampling_params import SamplingParams
+from inflight.sim.acceptance import AcceptanceProfile, stats_json
 from inflight.sim.profile import StepProfile
 from inflight.sim.virtual_replica import SimReplica
 
@@ -125,18 +130,25 @@ class Simulator:
         metrics_interval: seconds between gauge samples (as ``bench``'s scraper).
         noise: replay the profile's measured step-time variation, drawn from ``seed``
             (False: every step takes its predicted time).
-        seed: the noise's seed; the same seed gives the same run.
+        seed: the noise's and the accepted drafts' seed; the same seed gives the same run.
+        acceptance: how often drafts are accepted (``config.speculative_config``); None:
+            the profile's ``acceptance``.
+
+    Raises:
+        ValueError: no replica, or a speculating ``config`` without acceptance rates.
     """
 
     def __init__(self, config: EngineConfig, profile: StepProfile, *, num_blocks: int, max_model_len: int,
                  eos_token_ids: Sequence[int], replicas: int = 1, router: Router | None = None,
                  max_num_waiting: int | None = DEFAULT_MAX_NUM_WAITING, max_concurrency: int | None = None,
-                 metrics_interval: float = 1.0, noise: bool = True, seed: int = 0) -> None:
+                 metrics_interval: float = 1.0, noise: bool = True, seed: int = 0,
+                 acceptance: AcceptanceProfile | None = None) -> None:
         if replicas < 1:
             raise ValueError(f"replicas: must be >= 1, got {replicas}")
         self.profile = profile
         self.replicas = [SimReplica(i, config, profile, num_blocks, max_model_len, eos_token_ids, max_num_waiting,
-                                    np.random.default_rng([seed, i]) if noise else None)
+                                    np.random.default_rng([seed, i]) if noise else None, acceptance,
+                                    np.random.default_rng([seed, i, 1]))
                          for i in range(replicas)]
         self.router = router or RoundRobinRouter()
         self.max_concurrency = max_concurrency
@@ -303,10 +315,14 @@ class Simulator:
     @staticmethod
     def _replica_stats(r: SimReplica) -> dict[str, Any]:
         s = r.engine.get_stats()
-        return {"replica": r.index, "steps": r.runner.num_steps, "busy_s": r.runner.busy_s,
-                "extrapolated_steps": r.runner.num_extrapolated,
-                "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
-                "prefix_cache_hits": s.prefix_cache_hits, "generation_tokens": s.generation_tokens}
+        out: dict[str, Any] = {"replica": r.index, "steps": r.runner.num_steps, "busy_s": r.runner.busy_s,
+               "extrapolated_steps": r.runner.num_extrapolated,
+               "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
+               "prefix_cache_hits": s.prefix_cache_hits, "generation_tokens": s.generation_tokens}
+        spec = r.engine.scheduler.speculation
+        if spec is not None:
+            out["spec_decode"] = stats_json(spec.stats)
+        return out
 
     def _router_stats(self) -> dict[str, Any]:
         return {k: getattr(self.router, k) for k in ("hits", "overrides") if hasattr(self.router, k)}

@@ -21,6 +21,8 @@ class PlannedRow(Protocol):
     def num_computed_tokens(self) -> int: ...
     @property
     def samples(self) -> bool: ...
+    # ``num_draft_tokens`` (the last that many of ``token_ids`` are drafts) is read where a
+    # row has it; a stand-in row without it verifies no drafts.
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,13 @@ class StepShape:
 
     Attributes:
         tokens: tokens computed (the step's ``num_batched_tokens``).
-        rows: requests scheduled.
-        samples: rows that sample a token (their last position goes through the LM head).
+        rows: requests scheduled, a request verifying ``d`` drafts counted as its ``1 + d``
+            decode rows (the runner runs them as that many one-query rows).
+        samples: rows that sample a token (their last position goes through the LM head;
+            every row of a verification does).
         prefill_tokens: tokens of rows that compute more than one token (prompt chunks).
-        decode_context: KV tokens attended by one-token rows (sum of their context lengths).
+        decode_context: KV tokens attended by one-token rows (sum of their context lengths;
+            a verification's row ``i`` attends ``num_computed_tokens + i + 1``).
         prefill_pairs: query-key pairs of the multi-token rows: a chunk of ``n`` tokens
             after ``s`` computed ones attends ``n * s + n * (n + 1) / 2``.
     """
@@ -51,18 +56,27 @@ class StepShape:
 
     @classmethod
     def of(cls, scheduled: Sequence[PlannedRow]) -> StepShape:
-        """The shape of a plan's ``ScheduledRequest`` rows (``SchedulerOutput.scheduled``)."""
-        tokens = samples = prefill = ctx = pairs = 0
+        """The shape of a plan's ``ScheduledRequest`` rows (``SchedulerOutput.scheduled``).
+
+        A decode token with ``d`` drafts to verify is ``1 + d`` decode rows, each
+        sampling (``runner.ModelRunner``: same block table, row ``i`` attends
+        ``num_computed_tokens + i + 1`` keys): the step of ``B`` requests verifying ``D``
+        drafts has the shape of a decode step of ``B + D`` rows, never prefill tokens."""
+        tokens = rows = samples = prefill = ctx = pairs = 0
         for s in scheduled:
             n, start = len(s.token_ids), s.num_computed_tokens
+            d = int(getattr(s, "num_draft_tokens", 0))
             tokens += n
-            samples += bool(s.samples)
-            if n == 1:
-                ctx += start + 1
+            if n - d == 1:
+                rows += n
+                samples += n if s.samples else 0
+                ctx += n * (start + 1) + n * (n - 1) // 2
             else:
+                rows += 1
+                samples += bool(s.samples)
                 prefill += n
                 pairs += n * start + n * (n + 1) // 2
-        return cls(tokens, len(scheduled), samples, prefill, ctx, pairs)
+        return cls(tokens, rows, samples, prefill, ctx, pairs)
 
 
 class CostModel(Protocol):

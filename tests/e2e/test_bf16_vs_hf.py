@@ -47,7 +47,7 @@ class ForcedRunner(ModelRunner):
         self.forced, self.logits = forced, {}
 
     def execute(self, out):
-        logits, requests = self.compute_logits(out)
+        logits, requests, _ = self.compute_logits(out)
         results = []
         for row, req in enumerate(requests):
             pos = req.num_tokens - 1

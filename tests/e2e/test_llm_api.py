@@ -15,18 +15,25 @@ def llm():
     return LLM(num_kv_blocks=256, max_num_seqs=16)
 
 
-def test_prompts_read_the_blocks_where_onednn_has_no_amx(llm):
+@pytest.fixture(scope="module")
+def quantized_llm():
+    """The GGUF's own blocks, whatever ``auto`` picks on this CPU (dense weights where the
+    block kernels have no SIMD path: tests/model/test_cpu_fallbacks.py)."""
+    return LLM(num_kv_blocks=64, max_num_seqs=4, quantization="gguf")
+
+
+def test_prompts_read_the_blocks_where_onednn_has_no_amx(quantized_llm):
     """The bundled model's layers are all block-quantized: prompt rows go to oneDNN only
     where its GEMMs have AMX tiles, else to the int8 kernel like generated rows."""
     from inflight.model.kernels.native_lib import onednn_has_amx
 
-    model = llm.engine.runner.model
+    model = quantized_llm.engine.runner.model
     assert model.all_quantized
     assert model.quantized_prompts == (not onednn_has_amx())
 
 
 @pytest.mark.parametrize("quantized_prompts", [False, True])
-def test_prompt_rows_take_the_path_the_rule_names(llm, monkeypatch, quantized_prompts):
+def test_prompt_rows_take_the_path_the_rule_names(quantized_llm, monkeypatch, quantized_prompts):
     """Whatever this CPU would choose: with the rule on, a prompt's rows go through the
     block kernel in the prefill step; off, only generated rows do (prompts on oneDNN)."""
     import inflight.model.llama as llama
@@ -35,12 +42,12 @@ def test_prompt_rows_take_the_path_the_rule_names(llm, monkeypatch, quantized_pr
     real = llama.quant_linear
     monkeypatch.setattr(llama, "quant_linear", lambda x, *a, **k: (rows.append(x.shape[0]),
                                                                     real(x, *a, **k))[1])
-    monkeypatch.setattr(llm.engine.runner.model, "quantized_prompts", quantized_prompts)
+    monkeypatch.setattr(quantized_llm.engine.runner.model, "quantized_prompts", quantized_prompts)
     # 23 rows, no other step of this run has as many; a prompt of its own per case, so no
     # block of it is in the prefix cache
     prompt = list(range(2000 + 100 * quantized_prompts, 2023 + 100 * quantized_prompts))
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = quantized_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3,
+                                                          ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
     assert (23 in rows) == quantized_prompts
     assert 1 in rows  # generated tokens read the blocks either way

@@ -16,7 +16,8 @@ def test_kernels_h_binds_every_exported_function():
     sig = read_signatures(HEADER)
     assert set(sig) == {"paged_decode_attention", "reshape_and_cache", "paged_prefill_attention",
                         "paged_prefill_head_dim", "skinny_linear", "quant_linear",
-                        "quant_linear_amx", "rms_norm", "silu_and_mul", "decode_layers"}
+                        "quant_linear_amx", "rms_norm", "silu_and_mul", "decode_layers",
+                        "skinny_max_rows", "quant_linear_vectorized"}
     i, l, f, p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     assert sig["rms_norm"] == (i, [i, p, p, p, l, l, f, l])
     assert sig["silu_and_mul"] == (None, [i, p, p, l, l, l])

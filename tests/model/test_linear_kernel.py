@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inflight.model.kernels import skinny_linear
+from inflight.model.kernels import skinny_linear, skinny_max_rows
 from inflight.model.kernels.native_lib import native_library
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("n,k", [(960, 576), (13, 576), (64, 40), (7, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_matches_float64_reference(dtype, m, n, k, with_bias):
@@ -47,3 +47,35 @@ def test_unsupported_inputs_fall_back():
     assert skinny_linear(torch.randn(1, 16), w.t().contiguous().t()) is None  # strided weight
     assert skinny_linear(torch.randn(1, 16, dtype=torch.float16),
                          w.half()) is None                                    # float16
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_row_limit_follows_the_instruction_set():
+    # AVX-512: oneDNN's GEMM wins from 3 rows; AVX2 alone: the kernel keeps 8 (its AVX2 path).
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags")
+    expected = 2 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 2
+    assert skinny_max_rows() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_the_rows_beside_it(dtype):
+    # Up to the model's limit, every row is reduced in the same order whatever M is: a
+    # verification step's rows (speculative decoding) equal single-row decodes bit for bit.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(skinny_max_rows(), 576, generator=g).to(dtype)
+    w = torch.randn(960, 576, generator=g).to(dtype)
+    full = skinny_linear(x, w)
+    assert full is not None
+    for m in range(1, x.shape[0] + 1):
+        part = skinny_linear(x[:m], w)
+        assert part is not None and torch.equal(part, full[:m])

@@ -48,7 +48,7 @@ class RecordingRunner(ModelRunner):
         self.logits = {}
 
     def execute(self, out):
-        logits, requests = self.compute_logits(out)
+        logits, requests, _ = self.compute_logits(out)
         for row, req in enumerate(requests):
             self.logits[(req.request_id, req.num_tokens - 1)] = logits[row].clone()
         return self.sampler.sample(logits, requests) if requests else []

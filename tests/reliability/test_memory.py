@@ -16,8 +16,9 @@ import pytest
 
 from inflight.engine.memory import PRIMITIVE_CACHE_CAPACITY, bound_primitive_caches
 
-# 160 token counts through the model's own prepacked Linear (bfloat16, the shapes of the
-# bundled model's fused projections), RSS read before and after (glibc's free pages handed
+# 160 token counts through the model's own prepacked Linear (bfloat16, or float32 where
+# oneDNN has no bfloat16 GEMM to prepack for (AVX2); the shapes of the bundled model's fused
+# projections), RSS read before and after (glibc's free pages handed
 # back first, so only what is held counts).
 _GEMM_SHAPES_SCRIPT = textwrap.dedent("""
     import ctypes, json, os, sys
@@ -35,15 +36,20 @@ _GEMM_SHAPES_SCRIPT = textwrap.dedent("""
         with open("/proc/self/status") as f:
             return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 
+    dtype = torch.bfloat16
+    probe = Linear(8, 8, bias=False).to(dtype)
+    probe.prepack()
+    if probe.packed is None:
+        dtype = torch.float32
     layers = []
     for n_in, n_out in ((576, 960), (576, 576), (576, 3072), (1536, 576)):
-        m = Linear(n_in, n_out, bias=False).to(torch.bfloat16)
+        m = Linear(n_in, n_out, bias=False).to(dtype)
         m.prepack()
         assert m.packed is not None
         layers.append(m)
     def step(rows):
         for m in layers:
-            m(torch.randn(rows, m.in_features, dtype=torch.bfloat16))
+            m(torch.randn(rows, m.in_features, dtype=dtype))
     step(3)
     before = rss_mib()
     for rows in range(4, 164):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from inflight.model.kernels.native_lib import native_for, thread_count
+from inflight.model.kernels.native_lib import native_for, native_library, thread_count
 from inflight.model.quant import QuantizedWeight
 
 
@@ -107,10 +107,18 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     return out if rc == 0 else None
 
 
-# The most input rows the model sends to the skinny kernel: at 4 rows oneDNN's GEMM, which
-# reuses each weight tile across rows, was faster on the larger shapes (docs/performance.md).
-# The kernel itself takes up to 16.
+# The most input rows the model sends to the skinny kernel where the library is not built:
+# with AVX-512, at 4 rows oneDNN's GEMM, which reuses each weight tile across rows, was
+# faster on the larger shapes (docs/performance.md). The kernel itself takes up to 16.
 SKINNY_MAX_ROWS = 2
+
+
+def skinny_max_rows() -> int:
+    """The most input rows the skinny kernel beats oneDNN's GEMM for on this CPU, as the
+    library was built (``skinny_max_rows`` in linear.c: 2 with AVX-512, 8 with AVX2 alone,
+    where oneDNN's small-M GEMM is slow); ``SKINNY_MAX_ROWS`` without the library."""
+    lib = native_library()
+    return SKINNY_MAX_ROWS if lib is None else int(lib.skinny_max_rows())
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -23,7 +23,9 @@ int64_t paged_prefill_head_dim(void);
 /* linear.c */
 int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
                   int64_t M, int64_t N, int64_t K, int64_t num_threads);
+int64_t skinny_max_rows(void);
 /* quant_linear.c */
+int quant_linear_vectorized(void);
 int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void *scales,
                  const void *mins, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
                  int64_t num_threads);

@@ -119,7 +119,69 @@ typedef void (*avx_bf16_fn)(const uint16_t *, const float *, int64_t, float[MAX_
 static const avx_f32_fn AVX_F32[5] = {0, avx_f32_1, avx_f32_2, avx_f32_3, avx_f32_4};
 static const avx_bf16_fn AVX_BF16[5] = {0, avx_bf16_1, avx_bf16_2, avx_bf16_3, avx_bf16_4};
 #define AVX_MAX_M 4
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 hosts (no AVX-512): 8 float32 lanes, up to 8 input rows. oneDNN's GEMM there took
+ * 45 ms for a 5-row step of the 135M model in float32 where streaming W once takes about
+ * 20 (2-core EPYC, docs/performance.md): a verification step of speculative decoding, or
+ * a batch of a few decodes, is then priced like one row. */
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define DEFINE_AVX2(NAME, T, LOADV, MM)                                                      \
+static void NAME(const T *restrict w, const float *restrict xf, int64_t K,                   \
+                 float out[MAX_M][ROWS]) {                                                  \
+    __m256 acc[MM];                                                                         \
+    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                              \
+    for (int64_t k = 0; k < K; k += 8) {                                                    \
+        const __m256 wv = LOADV(w + k);                                                     \
+        for (int m = 0; m < MM; m++)                                                        \
+            acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + m * K + k), acc[m]);          \
+    }                                                                                       \
+    for (int m = 0; m < MM; m++) out[m][0] = hsum8(acc[m]);                                 \
+}
+DEFINE_AVX2(avx2_f32_1, float, load8_f32, 1)
+DEFINE_AVX2(avx2_f32_2, float, load8_f32, 2)
+DEFINE_AVX2(avx2_f32_3, float, load8_f32, 3)
+DEFINE_AVX2(avx2_f32_4, float, load8_f32, 4)
+DEFINE_AVX2(avx2_f32_5, float, load8_f32, 5)
+DEFINE_AVX2(avx2_f32_6, float, load8_f32, 6)
+DEFINE_AVX2(avx2_f32_7, float, load8_f32, 7)
+DEFINE_AVX2(avx2_f32_8, float, load8_f32, 8)
+DEFINE_AVX2(avx2_bf16_1, uint16_t, load8_bf16, 1)
+DEFINE_AVX2(avx2_bf16_2, uint16_t, load8_bf16, 2)
+DEFINE_AVX2(avx2_bf16_3, uint16_t, load8_bf16, 3)
+DEFINE_AVX2(avx2_bf16_4, uint16_t, load8_bf16, 4)
+DEFINE_AVX2(avx2_bf16_5, uint16_t, load8_bf16, 5)
+DEFINE_AVX2(avx2_bf16_6, uint16_t, load8_bf16, 6)
+DEFINE_AVX2(avx2_bf16_7, uint16_t, load8_bf16, 7)
+DEFINE_AVX2(avx2_bf16_8, uint16_t, load8_bf16, 8)
+typedef void (*avx2_f32_fn)(const float *, const float *, int64_t, float[MAX_M][ROWS]);
+typedef void (*avx2_bf16_fn)(const uint16_t *, const float *, int64_t, float[MAX_M][ROWS]);
+static const avx2_f32_fn AVX2_F32[9] = {0, avx2_f32_1, avx2_f32_2, avx2_f32_3, avx2_f32_4,
+                                        avx2_f32_5, avx2_f32_6, avx2_f32_7, avx2_f32_8};
+static const avx2_bf16_fn AVX2_BF16[9] = {0, avx2_bf16_1, avx2_bf16_2, avx2_bf16_3, avx2_bf16_4,
+                                          avx2_bf16_5, avx2_bf16_6, avx2_bf16_7, avx2_bf16_8};
+#define AVX2_MAX_M 8
 #endif
+
+/* The most rows skinny_linear beats oneDNN's GEMM for on this CPU (measured: 2 with AVX-512,
+ * where oneDNN's GEMM is fast from 3 rows; 8 with AVX2 alone, where it is not). */
+int64_t skinny_max_rows(void) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    return AVX2_MAX_M;
+#else
+    return 2;
+#endif
+}
 
 /* Returns 0 on success, -1 on unsupported shapes or no memory (the caller uses PyTorch). */
 int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
@@ -150,6 +212,11 @@ int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, v
             if (nr == ROWS && M <= AVX_MAX_M && K % 16 == 0) {
                 if (is_bf16) AVX_BF16[M]((const uint16_t *)w + r * K, xf, K, acc);
                 else AVX_F32[M]((const float *)w + r * K, xf, K, acc);
+            } else
+#elif defined(__AVX2__) && defined(__FMA__)
+            if (nr == ROWS && M <= AVX2_MAX_M && K % 8 == 0) {
+                if (is_bf16) AVX2_BF16[M]((const uint16_t *)w + r * K, xf, K, acc);
+                else AVX2_F32[M]((const float *)w + r * K, xf, K, acc);
             } else
 #endif
             if (is_bf16) rows_bf16((const uint16_t *)w + r * K, xf, M, K, nr, acc);

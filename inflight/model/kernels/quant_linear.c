@@ -416,6 +416,17 @@ int64_t quant_linear_amx(int64_t min_rows) {
 
 /* Returns 0; -1 for shapes or formats it does not take, or no memory (the caller then uses
  * the dequantized weights). N: the layer's rows (the packed tiles may pad it to 16). */
+/* 1 where the block kernels run on AVX-512 VNNI (or AMX) here, 0 where they fall back to
+ * scalar C (an AVX2-only CPU: several times slower than oneDNN's dense GEMM, so the loader's
+ * quantization "auto" keeps the weights dense there). */
+int quant_linear_vectorized(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void *scales,
                  const void *mins, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
                  int64_t num_threads) {
