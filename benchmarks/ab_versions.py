@@ -13,7 +13,11 @@ host drift lands on both:
 - **offline**: ``LLM.generate`` of ``--offline-requests`` requests of the same lengths in a
   process of its own; output tok/s.
 
-Each checkout runs with ``PYTHONPATH=<root>`` and this repository's virtual environment.
+Each checkout runs with ``PYTHONPATH=<root>``, from ``<root>`` as its working directory, and
+this repository's virtual environment. (The working directory matters: ``python -m`` puts
+it ahead of ``PYTHONPATH``, so run from this checkout both sides imported this checkout's
+code; the comparison of 2026-12-04 03:00 in docs/performance.md measured the after side
+twice.)
 
     .venv/bin/python benchmarks/ab_versions.py --a /tmp/old --b . --repeats 3
 
@@ -83,7 +87,7 @@ def serving(root: str, args: argparse.Namespace, out_dir: pathlib.Path) -> dict[
     port = free_port()
     log = open(out_dir / f"server-{port}.log", "wb")
     proc = subprocess.Popen([PYTHON, "-m", "inflight.cli", "serve", "--port", str(port)],
-                            env=_env(root), stdout=log, stderr=subprocess.STDOUT)
+                            env=_env(root), cwd=root, stdout=log, stderr=subprocess.STDOUT)
     figures: dict[str, float] = {}
     try:
         _wait_healthy(port, proc)
@@ -96,7 +100,8 @@ def serving(root: str, args: argparse.Namespace, out_dir: pathlib.Path) -> dict[
                             "--ignore-eos", "--max-concurrency", str(c),
                             "--num-prompts", str(max(args.min_prompts, 4 * c)),
                             "--save-result", str(result)],
-                           env=_env(args.client_root), check=True, capture_output=True)
+                           env=_env(args.client_root), cwd=args.client_root, check=True,
+                           capture_output=True)
             r = json.loads(result.read_text())
             figures[f"c{c} output tok/s"] = r["output_throughput"]
             figures[f"c{c} TTFT p50 ms"] = r["median_ttft_ms"]
@@ -112,7 +117,8 @@ def serving(root: str, args: argparse.Namespace, out_dir: pathlib.Path) -> dict[
 
 def offline(root: str, args: argparse.Namespace) -> dict[str, float]:
     out = subprocess.run([PYTHON, "-c", OFFLINE, str(args.offline_requests), str(args.input_len),
-                          str(args.output_len)], env=_env(root), check=True, capture_output=True, text=True)
+                          str(args.output_len)], env=_env(root), cwd=root, check=True,
+                         capture_output=True, text=True)
     return {"offline output tok/s": float(out.stdout.strip().splitlines()[-1])}
 
 

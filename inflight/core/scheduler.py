@@ -231,14 +231,14 @@ class Scheduler:
     def _gate_drafts(self) -> None:
         """Drop proposed drafts this step should not verify (``Speculation.gate``)."""
         if self.speculation is not None:
-            self.speculation.gate(self.running)
+            self.speculation.gate(self.running, len(self.waiting))
 
     def requests_to_draft(self) -> list[tuple[Request, int]]:
-        """The running requests whose next step may verify drafts, with how many to
-        propose; empty when speculation is off or this batch should not speculate."""
+        """Running requests whose next step may verify drafts, and how many (``Speculation``)."""
         if self.speculation is None:
             return []
-        return self.speculation.requests_to_draft(self.running, self.max_sequence_len)
+        return self.speculation.requests_to_draft(self.running, self.max_sequence_len,
+                                                  len(self.waiting))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           served: Callable[[Request], bool] | None) -> int:

@@ -9,9 +9,10 @@ decides, per step and per request, whether drafts are worth their rows:
 
 * **per step, from the measured step cost** (``DecodeStepCost``): with ``B`` decoding
   requests that would verify ``D`` drafts of which ``A`` are expected to be accepted, a
-  speculative step yields ``B + A`` tokens in ``t(B + D)`` seconds against ``B`` tokens in
-  ``t(B)``; drafts go out only while the first rate is higher. ``disable_by_batch_size``
-  (vLLM's key) replaces this with a fixed batch size.
+  speculative step yields ``B + A`` tokens in ``t(B + D)`` seconds, plus the measured
+  proposing time (a draft model's passes), against ``B`` tokens in ``t(B)``; drafts go out
+  only while the first rate is higher. ``disable_by_batch_size`` (vLLM's key) replaces this
+  with a fixed batch size.
 * **per request, from its acceptance**: a request whose drafts keep failing (acceptance
   below ``min_acceptance_rate`` over ``acceptance_window`` drafted tokens) pauses drafting
   for ``PAUSE_STEPS`` steps, then tries again.
@@ -132,6 +133,7 @@ class Speculation:
         self.cost = DecodeStepCost()
         # Accepted drafts per verification of k drafts, a moving average over all requests.
         self.mean_accepted = PRIOR_ACCEPTED
+        self.propose_s = 0.0  # seconds of proposing per drafting request, a moving average
         self._decisions = 0
 
     @staticmethod
@@ -180,6 +182,8 @@ class Speculation:
             return not proposed
         t_plain, t_spec = self.cost.predict(b), self.cost.predict(b + drafts)
         self._decisions += 1
+        if t_spec is not None:
+            t_spec += self.propose_s * len(drafting)
         if t_plain is None or t_spec is None or not self.cost.knows(b):
             # Unmeasured: speculate, but run a plain step now and then to learn t(B).
             return self._decisions % EXPLORE_EVERY != 0
@@ -193,6 +197,14 @@ class Speculation:
     def observe_step(self, num_rows: int, seconds: float) -> None:
         """A decode-only step of ``num_rows`` rows took ``seconds``."""
         self.cost.observe(num_rows, seconds)
+
+    def observe_proposal(self, num_requests: int, seconds: float) -> None:
+        """Proposing drafts for ``num_requests`` requests took ``seconds`` (a draft
+        model's forward passes; next to nothing for n-gram lookup): a cost of drafting the
+        switch adds to the verification step's."""
+        if num_requests > 0:
+            per_request = seconds / num_requests
+            self.propose_s += ACCEPTED_ALPHA * 4 * (per_request - self.propose_s)
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """``req`` verified ``num_drafts`` drafts and ``num_accepted`` were right."""
@@ -212,21 +224,22 @@ class Speculation:
                 req.spec_pause = PAUSE_STEPS
             req.spec_drafted = req.spec_accepted = 0
 
-    def gate(self, running: list[Request]) -> None:
+    def gate(self, running: list[Request], num_waiting: int) -> None:
         """At the start of a step: paused requests come a step closer to drafting again,
-        and every proposed draft is dropped when this step should not verify any (its
-        batch may have grown since they were proposed)."""
+        and every proposed draft is dropped when this step should not verify any: prompt
+        work is pending (``prompt_work_pending``), or its batch grew since they were
+        proposed."""
         for r in running:
             if r.spec_pause > 0:
                 r.spec_pause -= 1
-        if not self.step_allows(running, proposed=True):
+        if prompt_work_pending(running, num_waiting) or not self.step_allows(running, True):
             for r in running:
                 r.spec_token_ids = []
 
-    def requests_to_draft(self, running: list[Request],
-                          max_sequence_len: int) -> list[tuple[Request, int]]:
+    def requests_to_draft(self, running: list[Request], max_sequence_len: int,
+                          num_waiting: int = 0) -> list[tuple[Request, int]]:
         """After a step: the requests to propose drafts for, with how many each."""
-        if not self.step_allows(running):
+        if prompt_work_pending(running, num_waiting) or not self.step_allows(running):
             return []
         wanted = [(r, self.num_to_draft(r, max_sequence_len)) for r in running]
         return [(r, k) for r, k in wanted if k > 0]
@@ -249,3 +262,11 @@ class Speculation:
             req.num_computed_tokens = s.num_computed_tokens + n
             kv_cache.trim(req, req.num_tokens)
             kv_cache.cache_full_blocks(req)
+
+
+def prompt_work_pending(running: list[Request], num_waiting: int) -> bool:
+    """Requests wait, or a running one has prompt tokens left (a chunked prefill): drafts
+    would take the step's budget and time from them. Measured at 32 streams, verifying
+    drafts while prompts waited tripled the median TTFT and got requests shed
+    (docs/performance.md); drafts use only a step that has no prompt work."""
+    return num_waiting > 0 or any(r.num_uncomputed_tokens > 1 for r in running)

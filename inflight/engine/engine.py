@@ -234,7 +234,10 @@ class Engine:
         if all(s.is_decode for s in out.scheduled):
             spec.observe_step(out.num_batched_tokens, seconds)
         with self.step_timer.section("propose"):
-            self.proposer.propose(self.scheduler.requests_to_draft())
+            t0 = self.clock()
+            wanted = self.scheduler.requests_to_draft()
+            self.proposer.propose(wanted)
+            spec.observe_proposal(len(wanted), self.clock() - t0)
 
     def _abort(self, requests: Sequence[Request]) -> None:
         for req in requests:

@@ -333,8 +333,35 @@ def test_load_aware_switch_uses_the_measured_step_cost():
     sp2.observe_step(1, 1.0)
     sp2.observe_step(5, 2.1)
     assert not sp2.step_allows([req], proposed=True)
-    sp2.gate([req])
+    sp2.gate([req], 0)
     assert req.spec_token_ids == []
+
+
+def test_prompt_work_takes_the_step_from_drafts():
+    # Drafts would take budget and time from a waiting prompt or a chunked prefill: with
+    # either pending, a step that would otherwise verify them drops them.
+    sp = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    sp.observe_step(1, 1.0)
+    sp.observe_step(5, 1.1)
+    req = Request("r", [1, 2], SamplingParams())
+    req.status = RequestStatus.RUNNING
+    req.append_output_token(3, None, 0.0)
+    req.num_computed_tokens = 2
+    req.spec_token_ids = [5, 5, 5, 5]
+    assert sp.step_allows([req], proposed=True)
+    sp.gate([req], 1)  # one request waiting
+    assert req.spec_token_ids == []
+    assert sp.requests_to_draft([req], 100, num_waiting=1) == []
+    prefilling = Request("p", list(range(40)), SamplingParams())
+    prefilling.status = RequestStatus.RUNNING
+    prefilling.num_computed_tokens = 16  # a chunk done, 24 prompt tokens to go
+    req.spec_token_ids = [5, 5, 5, 5]
+    sp.gate([req, prefilling], 0)
+    assert req.spec_token_ids == []
+    req.spec_token_ids = [5, 5, 5, 5]
+    sp.gate([req], 0)
+    assert req.spec_token_ids == [5, 5, 5, 5]
+    assert sp.requests_to_draft([req], 100) == [(req, 4)]
 
 
 # --- the engine loop: a fake model that reads a simulated KV cache ----------------------
