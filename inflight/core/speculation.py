@@ -184,8 +184,11 @@ class Speculation:
         self._decisions += 1
         if t_spec is not None:
             t_spec += self.propose_s * len(drafting)
-        if t_plain is None or t_spec is None or not self.cost.knows(b):
-            # Unmeasured: speculate, but run a plain step now and then to learn t(B).
+        if t_spec is None or not self.cost.knows(b + drafts):
+            return True  # a verification of about this size is unmeasured: measure one
+        if t_plain is None or not self.cost.knows(b):
+            # Plain steps of this batch unmeasured: speculate, and now and then run a plain
+            # step to learn t(B).
             return self._decisions % EXPLORE_EVERY != 0
         accepted = self.mean_accepted * drafts / k
         if (b + accepted) * t_plain > b * t_spec:

@@ -337,6 +337,21 @@ def test_load_aware_switch_uses_the_measured_step_cost():
     assert req.spec_token_ids == []
 
 
+def test_an_unmeasured_verification_size_is_measured_before_it_is_judged():
+    # Only plain 1-row steps measured: extrapolating t(5) from t(1) would keep drafts off
+    # for good (they were, in a fresh server); the switch speculates to measure it.
+    sp = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    sp.observe_step(1, 1.0)
+    req = Request("r", [1, 2], SamplingParams())
+    req.status = RequestStatus.RUNNING
+    req.append_output_token(3, None, 0.0)
+    req.num_computed_tokens = 2
+    req.spec_token_ids = [5, 5, 5, 5]
+    assert sp.step_allows([req], proposed=True)
+    sp.observe_step(5, 3.0)  # now measured, and too dear for 1 expected accepted draft
+    assert not sp.step_allows([req], proposed=True)
+
+
 def test_prompt_work_takes_the_step_from_drafts():
     # Drafts would take budget and time from a waiting prompt or a chunked prefill: with
     # either pending, a step that would otherwise verify them drops them.
