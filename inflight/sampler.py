@@ -171,9 +171,10 @@ class Sampler:
                     probs = self._probs(logits[rows], views[rows])
                     kept = verify_random(probs, d, self._generator_for(r))
                 kept = _advance_grammar(r, kept)
-                rows_kept = list(range(first[i], first[i] + len(kept)))
-                lps = self._logprobs(raw[rows_kept], torch.tensor(kept, device=raw.device),
-                                     [r] * len(kept))
+                lps: list[dict[int, float] | None] = [None] * len(kept)
+                if r.sampling_params.logprobs is not None:  # else no copy of the rows
+                    lps = self._logprobs(raw[first[i]:first[i] + len(kept)],
+                                         torch.tensor(kept, device=raw.device), [r] * len(kept))
                 results += [SampleResult(r, t, lp) for t, lp in zip(kept, lps)]
             return results
 

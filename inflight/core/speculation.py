@@ -180,16 +180,16 @@ class Speculation:
             drafts = k * len(drafting)
         if not drafts:
             return not proposed
-        t_plain, t_spec = self.cost.predict(b), self.cost.predict(b + drafts)
         self._decisions += 1
-        if t_spec is not None:
-            t_spec += self.propose_s * len(drafting)
-        if t_spec is None or not self.cost.knows(b + drafts):
+        if not self.cost.knows(b + drafts):
             return True  # a verification of about this size is unmeasured: measure one
-        if t_plain is None or not self.cost.knows(b):
+        if not self.cost.knows(b):
             # Plain steps of this batch unmeasured: speculate, and now and then run a plain
             # step to learn t(B).
             return self._decisions % EXPLORE_EVERY != 0
+        t_plain, t_spec = self.cost.predict(b), self.cost.predict(b + drafts)
+        assert t_plain is not None and t_spec is not None  # both measured (``knows``)
+        t_spec += self.propose_s * len(drafting)
         accepted = self.mean_accepted * drafts / k
         if (b + accepted) * t_plain > b * t_spec:
             return True

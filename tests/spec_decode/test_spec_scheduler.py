@@ -318,13 +318,19 @@ def test_max_tokens_cuts_the_kept_tokens():
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
 
 
-def test_load_aware_switch_uses_the_measured_step_cost():
-    sp = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+def decoding_request() -> Request:
+    """A running request with one output token left to compute, holding 4 drafts."""
     req = Request("r", [1, 2], SamplingParams())
     req.status = RequestStatus.RUNNING
     req.append_output_token(3, None, 0.0)
     req.num_computed_tokens = 2
     req.spec_token_ids = [5, 5, 5, 5]
+    return req
+
+
+def test_load_aware_switch_uses_the_measured_step_cost():
+    sp = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    req = decoding_request()
     # one request, 4 drafts, 1 expected accepted (the prior): 2 tokens in t(5) against 1 in t(1)
     sp.observe_step(1, 1.0)
     sp.observe_step(5, 1.9)
@@ -342,11 +348,7 @@ def test_an_unmeasured_verification_size_is_measured_before_it_is_judged():
     # for good (they were, in a fresh server); the switch speculates to measure it.
     sp = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     sp.observe_step(1, 1.0)
-    req = Request("r", [1, 2], SamplingParams())
-    req.status = RequestStatus.RUNNING
-    req.append_output_token(3, None, 0.0)
-    req.num_computed_tokens = 2
-    req.spec_token_ids = [5, 5, 5, 5]
+    req = decoding_request()
     assert sp.step_allows([req], proposed=True)
     sp.observe_step(5, 3.0)  # now measured, and too dear for 1 expected accepted draft
     assert not sp.step_allows([req], proposed=True)
@@ -358,11 +360,7 @@ def test_prompt_work_takes_the_step_from_drafts():
     sp = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     sp.observe_step(1, 1.0)
     sp.observe_step(5, 1.1)
-    req = Request("r", [1, 2], SamplingParams())
-    req.status = RequestStatus.RUNNING
-    req.append_output_token(3, None, 0.0)
-    req.num_computed_tokens = 2
-    req.spec_token_ids = [5, 5, 5, 5]
+    req = decoding_request()
     assert sp.step_allows([req], proposed=True)
     sp.gate([req], 1)  # one request waiting
     assert req.spec_token_ids == []
