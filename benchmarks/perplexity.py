@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from inflight.config import EngineConfig  # noqa: E402
 from inflight.core.output import SampleResult  # noqa: E402
 from inflight.engine import Engine  # noqa: E402
+from inflight.model.placement import resolve_kv_cache_dtype  # noqa: E402
 from inflight.runner import ModelRunner  # noqa: E402
 from inflight.sampling_params import SamplingParams  # noqa: E402
 
@@ -154,6 +155,9 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtypes", default="auto",
+                   help="comma-separated --kv-cache-dtype values, each scored by the decoded "
+                        "path; top-1 agreement is reported against the first")
     p.add_argument("--llama-perplexity", default=None, help="also run llama.cpp's on the same "
                    "GGUF and text")
     args = p.parse_args()
@@ -186,22 +190,33 @@ def main() -> None:
     if not chunks:
         raise SystemExit(f"{args.text}: {len(tokens)} tokens, fewer than one chunk of {args.ctx}")
     blocks = len(chunks) * (-(-args.ctx // 16) + 1)
-    runner = ScoringRunner(model, blocks, 16, model.dtype, loaded.runner.sampler,
-                           chunks={str(i): c for i, c in enumerate(chunks)})
-    engine = Engine(EngineConfig(max_num_seqs=len(chunks)), runner=runner, tokenizer=tokenizer,
-                    num_blocks=blocks, max_model_len=args.ctx + 16,
-                    eos_token_ids=loaded.eos_token_ids)
     quant = sorted({m.quant.fmt.name for m in model.modules() if getattr(m, "quant", None)})
     print(f"{path}: {len(tokens)} tokens, {len(chunks)} chunks of {args.ctx}, scoring "
           f"{len(chunks) * (args.ctx - args.ctx // 2 - 1)} tokens; {model.dtype}, "
           f"quantized rows: {quant or 'none'}")
-    t = time.perf_counter()
-    nll = score_prompt(engine, runner, chunks)
-    print(f"inflight, decoded (the generated-token path): PPL = {math.exp(nll):.4f} "
-          f"({time.perf_counter() - t:.1f} s)", flush=True)
-    if llama_top is not None:
-        first = args.ctx // 2
-        same = sum(runner.top1[(str(i), first + j)] == top
+    first_run = None
+    for kv_name in args.kv_cache_dtypes.split(","):
+        kv_dtype = resolve_kv_cache_dtype(kv_name, model.dtype, model.device)
+        runner = ScoringRunner(model, blocks, 16, kv_dtype, loaded.runner.sampler,
+                               chunks={str(i): c for i, c in enumerate(chunks)})
+        engine = Engine(EngineConfig(max_num_seqs=len(chunks)), runner=runner,
+                        tokenizer=tokenizer, num_blocks=blocks, max_model_len=args.ctx + 16,
+                        eos_token_ids=loaded.eos_token_ids)
+        t = time.perf_counter()
+        nll = score_prompt(engine, runner, chunks)
+        line = (f"inflight, decoded (the generated-token path), KV cache {kv_name}: "
+                f"PPL = {math.exp(nll):.4f} ({time.perf_counter() - t:.1f} s)")
+        if first_run is None:
+            first_run = (kv_name, nll, runner.top1)
+        else:
+            same = sum(runner.top1[k] == v for k, v in first_run[2].items())
+            line += (f"; PPL / {first_run[0]} = {math.exp(nll - first_run[1]):.4f}, top-1 "
+                     f"agreement with {first_run[0]} {same}/{len(first_run[2])} = "
+                     f"{100 * same / len(first_run[2]):.2f} %")
+        print(line, flush=True)
+    if llama_top is not None:  # against the first KV cache dtype's run
+        first, nll = args.ctx // 2, first_run[1]
+        same = sum(first_run[2][(str(i), first + j)] == top
                    for i, row in enumerate(llama_top) for j, top in enumerate(row))
         total = sum(len(row) for row in llama_top)
         print(f"llama.cpp llama-perplexity: PPL = {llama_ppl:.4f} ({seconds:.1f} s); decoded "

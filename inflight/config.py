@@ -16,7 +16,7 @@ from inflight.core.queue_policy import SCHEDULING_POLICIES
 from inflight.core.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3")
 # --quantization (vLLM's flag): model/quant.py; resolved by engine/loading.py.
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1")
 DEVICES = ("auto", "cpu", "cuda")
@@ -64,7 +64,10 @@ class EngineConfig:
     Attributes:
         model: a ``.gguf`` file or HF model directory; None loads the bundled SmolLM2-135M.
         dtype: weights/activations: ``float32``, ``bfloat16`` or ``auto``.
-        kv_cache_dtype: KV cache element type; ``auto`` follows ``dtype``.
+        kv_cache_dtype: KV cache element type; ``auto`` follows ``dtype``; ``int8`` and
+            ``fp8`` (``fp8_e4m3``, vLLM's names) store 8-bit keys and values with a float32
+            scale per token and head (``model/kv_quant.py``): about twice the tokens of a
+            bfloat16 cache in the same bytes.
         quantization: weights of the linear layers for decode steps of a few rows:
             ``gguf`` keeps a GGUF file's own block formats (Q8_0, Q4_0, Q4_1); ``q8_0``,
             ``q4_0``, ``q4_1`` quantize every linear layer to one; ``none`` keeps them
@@ -226,7 +229,10 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--model", default=None, help="a .gguf file or HF model directory "
                    "(default: the bundled SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache element type: auto follows --dtype; int8 and fp8 "
+                        "(fp8_e4m3) store 8-bit keys and values with a scale per token and "
+                        "head: about twice the tokens of bfloat16 in the same bytes")
     g.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
                    help="linear-layer weights for decode: gguf keeps a GGUF file's own "
                         "Q8_0/Q4_0/Q4_1 blocks, q8_0/q4_0/q4_1 quantize to one, none "

@@ -14,6 +14,7 @@ import torch
 
 from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
 from inflight.faults import FAULTS
+from inflight.model import kv_quant
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
@@ -29,9 +30,11 @@ PROMPT_LOGITS_ROWS = 256
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
+    """Bytes one KV block takes across all layers (keys and values), in a cache of ``dtype``
+    (an 8-bit one with its per-row scales: ``kv_quant``)."""
     elem: int = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.kv_size * elem
+    row = kv_quant.row_width(config.head_dim, dtype)
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * row * elem
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -52,7 +55,8 @@ class ModelRunner:
         model: a loaded ``LlamaForCausalLM``.
         num_blocks: KV blocks to preallocate.
         block_size: tokens per block.
-        kv_cache_dtype: element type of the KV cache.
+        kv_cache_dtype: element type of the KV cache (``torch.int8`` or
+            ``torch.float8_e4m3fn``: the 8-bit formats of ``model.kv_quant``).
         sampler: the sampler applied to the logits.
     """
 
@@ -64,7 +68,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.sampler = sampler
         c = model.config
-        shape = (2, c.num_key_value_heads, num_blocks, block_size, c.head_dim)
+        shape = (2, c.num_key_value_heads, num_blocks, block_size,
+                 kv_quant.row_width(c.head_dim, kv_cache_dtype))
         self.kv_caches = [_zeros(shape, kv_cache_dtype, self.device)
                           for _ in range(c.num_hidden_layers)]
         self.step_timer = NULL_TIMER  # the engine hands in its own

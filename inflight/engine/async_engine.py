@@ -32,6 +32,7 @@ from inflight.engine.stats import EngineStats, StatsLogger
 from inflight.engine.stream import RequestStream
 from inflight.engine.watchdog import StepWatchdog
 from inflight.errors import EngineDeadError, EngineError, InvalidRequestError
+from inflight.model import kv_quant
 from inflight.outputs import RequestOutput
 from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
@@ -105,7 +106,7 @@ class AsyncEngine(EngineThread):
     def kv_cache_dtype(self) -> str:
         """The KV tensors' element type where the runner has them, else the setting."""
         caches = getattr(getattr(self.engine, "runner", None), "kv_caches", None)
-        return str(caches[0].dtype).removeprefix("torch.") if caches else self.config.kv_cache_dtype
+        return kv_quant.dtype_name(caches[0].dtype) if caches else self.config.kv_cache_dtype
 
     @property
     def max_num_waiting(self) -> int | None:

@@ -14,6 +14,7 @@ import torch
 from inflight.config import (DEFAULT_KV_CACHE_MEMORY_CAP, DEFAULT_KV_CACHE_MEMORY_FRACTION,
                              EngineConfig)
 from inflight.engine.memory import bound_primitive_caches
+from inflight.model import kv_quant
 from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model, read_gguf_blocks
@@ -21,6 +22,7 @@ from inflight.model.loader import load_model, read_gguf_blocks
 from inflight.model.placement import cpu_has_native_bf16 as cpu_has_native_bf16
 from inflight.model.placement import resolve_device as resolve_device
 from inflight.model.placement import resolve_dtype as resolve_dtype
+from inflight.model.placement import resolve_kv_cache_dtype as resolve_kv_cache_dtype
 from inflight.model.placement import resolve_model_path as resolve_model_path
 from inflight.model.placement import resolve_quantization as resolve_quantization
 from inflight.model.quant import QuantFormat
@@ -205,8 +207,7 @@ def load(config: EngineConfig) -> LoadedModel:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
-        config.kv_cache_dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     path = resolve_model_path(config.model)
     quantization = resolve_quantization(config.quantization, path, device)
     t0 = time.monotonic()
@@ -217,10 +218,11 @@ def load(config: EngineConfig) -> LoadedModel:
                                     blocks, config.block_size)
     runner = ModelRunner(model, blocks, config.block_size, kv_dtype, Sampler(config.seed, device))
     eos = frozenset(model_config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
-    logger.info("loaded %s (%s, %s, quantization %s, on %s) in %.1f s; KV cache: %d blocks x "
-                "%d tokens = %d tokens (%.1f MiB); max_model_len %d", path.name,
+    logger.info("loaded %s (%s, %s, quantization %s, on %s) in %.1f s; KV cache %s: %d blocks "
+                "x %d tokens = %d tokens (%.1f MiB); max_model_len %d", path.name,
                 model_config.architecture, str(dtype).removeprefix("torch."),
-                _describe(model, quantization), device,
-                time.monotonic() - t0, blocks, config.block_size, blocks * config.block_size,
+                _describe(model, quantization), device, time.monotonic() - t0,
+                kv_quant.dtype_name(kv_dtype), blocks, config.block_size,
+                blocks * config.block_size,
                 sum(t.numel() * t.element_size() for t in runner.kv_caches) / 2**20, max_len)
     return LoadedModel(runner, tokenizer, blocks, max_len, eos)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from inflight.model import kv_quant
 from inflight.model.kernels import (paged_decode_attention, paged_prefill_attention,
                                    reshape_and_cache)
 from inflight.profiling import NULL_TIMER, StepTimer
@@ -76,10 +77,16 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
     if reshape_and_cache(k, v, kv_cache, slot_mapping):  # native, on CPU
         return
-    _, h, num_blocks, block_size, d = kv_cache.shape
-    flat = kv_cache.view(2, h, num_blocks * block_size, d)
-    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
-    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    _, h, num_blocks, block_size, row = kv_cache.shape
+    quantized = kv_quant.is_8bit(kv_cache.dtype)
+    # As bytes where 8-bit: PyTorch's index ops have no float8 kernels.
+    flat = (kv_cache.view(torch.uint8) if quantized else kv_cache).view(
+        2, h, num_blocks * block_size, row)
+    for i, x in enumerate((k, v)):
+        x = x.transpose(0, 1)
+        stored = (kv_quant.quantize_rows(x, kv_cache.dtype).view(torch.uint8) if quantized
+                  else x.to(kv_cache.dtype))
+        flat[i].index_copy_(1, slot_mapping, stored)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -91,7 +98,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q: ``[num_tokens, num_heads, head_dim]`` queries, RoPE applied.
         k, v: ``[num_tokens, num_kv_heads, head_dim]`` the step's new keys/values (used
             directly for prefill chunks with nothing cached before them).
-        kv_cache: this layer's cache, ``[2, num_kv_heads, num_blocks, block_size, head_dim]``.
+        kv_cache: this layer's cache, ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
+            (or an 8-bit one: ``kv_quant``).
         meta: the step's ``AttentionMetadata``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
@@ -114,8 +122,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Keys and values of ``block_ids`` (flat ``[n]``): ``[2, num_kv_heads, n * block_size, head_dim]``."""
+    """Cache rows of ``block_ids`` (flat ``[n]``): ``[2, num_kv_heads, n * block_size, row]``
+    (``row``: ``head_dim``, or an 8-bit cache's codes and scale)."""
     h, d = kv_cache.shape[1], kv_cache.shape[4]
+    if kv_quant.is_8bit(kv_cache.dtype):  # as bytes: PyTorch's index ops have no float8 kernels
+        rows = kv_cache.view(torch.uint8).index_select(2, block_ids).view(kv_cache.dtype)
+        return rows.view(2, h, -1, d)
     return kv_cache.index_select(2, block_ids).view(2, h, -1, d)
 
 
@@ -134,14 +146,15 @@ def decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     Shapes as ``inflight.model.kernels.paged_decode_attention``.
     """
     b, num_heads, d = q.shape
-    h_kv = kv_cache.shape[1]
-    kv = _gather_blocks(kv_cache, block_tables.reshape(-1)).view(2, h_kv, b, -1, d)
+    h_kv, row = kv_cache.shape[1], kv_cache.shape[4]
+    kv = _gather_blocks(kv_cache, block_tables.reshape(-1)).view(2, h_kv, b, -1, row)
+    keys, values = kv_quant.as_values(kv[0], q.dtype), kv_quant.as_values(kv[1], q.dtype)
     # Query heads sharing a KV head become that head's "query rows", so grouped-query
     # attention needs no repeated K/V: q [Hkv, B, G, D] against k [Hkv, B, L, D].
     qg = q.view(b, h_kv, num_heads // h_kv, d).transpose(0, 1)
     mask = torch.arange(kv.shape[3], device=q.device)[None, :] < seq_lens[:, None]
-    o = F.scaled_dot_product_attention(qg, kv[0].to(q.dtype), kv[1].to(q.dtype),
-                                       attn_mask=mask[None, :, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[None, :, None, :],
+                                       scale=scale)
     return o.transpose(0, 1).reshape(b, num_heads, d)
 
 
@@ -151,13 +164,15 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if out is not None:  # the native kernel reads the cached blocks in place
         return out
     t = q.shape[0]
-    if chunk.num_computed == 0:
+    # An 8-bit cache is read back even for a fresh prompt, as the native kernel reads it: a
+    # prompt then attends to the same values whether it was cut into chunks or not.
+    if chunk.num_computed == 0 and not kv_quant.is_8bit(kv_cache.dtype):
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
         mask, causal = None, True
     else:
         total = chunk.num_computed + t
         kv = _gather_blocks(kv_cache, chunk.block_table)[:, :, :total]
-        keys, values = kv[0], kv[1]
+        keys, values = kv_quant.as_values(kv[0], q.dtype), kv_quant.as_values(kv[1], q.dtype)
         # Query i sits at position num_computed + i and sees keys 0..num_computed + i.
         q_pos = torch.arange(chunk.num_computed, total, device=q.device)
         mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]

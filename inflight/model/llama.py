@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inflight.model import kv_quant
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.hparams import ModelConfig
 from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
@@ -300,8 +301,12 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         if self._decode_table is not None and self._decode_table[0] is kv_caches:
             return self._decode_table[1]
         table = None
-        tensors = [p for layer in self.layers for p in layer.parameters()] + list(kv_caches)
-        if (len(kv_caches) == len(self.layers)
+        tensors = [p for layer in self.layers for p in layer.parameters()]
+        # The caches in the model's dtype, or all in one 8-bit format, read as the kernels do.
+        kv_ok = (len({kv.dtype for kv in kv_caches}) == 1
+                 and (kv_caches[0].dtype == self.dtype or kv_quant.is_8bit(kv_caches[0].dtype)))
+        if (len(kv_caches) == len(self.layers) and kv_ok
+                and all(t.device.type == "cpu" and t.is_contiguous() for t in kv_caches)
                 and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
                         for t in tensors)):
             rows = []
@@ -338,7 +343,7 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
             eps=self.layers[0].input_layernorm.eps, cos=cos, sin=sin,
             slot_mapping=meta.slot_mapping, block_tables=meta.decode_block_tables,
             seq_lens=meta.decode_seq_lens, block_size=kv.shape[3], num_blocks=kv.shape[2],
-            scale=attn.scale)
+            scale=attn.scale, kv_fmt=kv_quant.format_code(kv))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from inflight.model.kernels.native_lib import quantized_kernels_vectorized
+from inflight.model.kv_quant import KV_8BIT_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     return _DTYPES[dtype]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
+                           device: torch.device) -> torch.dtype:
+    """The KV cache's storage dtype for ``--kv-cache-dtype``: ``auto`` is the model's
+    ``dtype``; ``int8`` / ``fp8`` / ``fp8_e4m3`` the 8-bit formats (``model.kv_quant``:
+    ``torch.int8``, ``torch.float8_e4m3fn``), on any device; else as ``resolve_dtype``."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in KV_8BIT_DTYPES:
+        return KV_8BIT_DTYPES[kv_cache_dtype]
+    return resolve_dtype(kv_cache_dtype, device)
 
 
 def resolve_quantization(quantization: str, path: Path, device: torch.device) -> str:

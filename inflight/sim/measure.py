@@ -164,7 +164,8 @@ def _cases(config: EngineConfig, quick: bool) -> list[tuple[str, list[int], list
 def engine_header(engine: Engine, max_num_waiting: int | None) -> dict[str, Any]:
     """``{"engine": ..., "model": ...}`` of a loaded ``Engine`` (with a ``ModelRunner``), as
     a profile saves them."""
-    from inflight.engine.loading import resolve_device, resolve_dtype, resolve_model_path
+    from inflight.engine.loading import (resolve_device, resolve_dtype, resolve_kv_cache_dtype,
+                                         resolve_model_path)
     from inflight.runner import kv_block_bytes
 
     config = engine.config
@@ -172,7 +173,7 @@ def engine_header(engine: Engine, max_num_waiting: int | None) -> dict[str, Any]
     path = resolve_model_path(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     info = _engine_info(config, str(dtype).removeprefix("torch."), engine.kv_cache.num_blocks, engine.max_model_len,
                         engine.eos_token_ids, kv_block_bytes(model_config, config.block_size, kv_dtype), path,
                         max_num_waiting)

@@ -31,8 +31,8 @@ from inflight.model.gguf_file import read_gguf_metadata
 from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model, read_gguf_blocks, read_gguf_config
-from inflight.model.placement import (resolve_device, resolve_dtype, resolve_model_path,
-                                      resolve_quantization)
+from inflight.model.placement import (resolve_device, resolve_dtype, resolve_kv_cache_dtype,
+                                      resolve_model_path, resolve_quantization)
 from inflight.model.quant import QuantFormat
 from inflight.request import Request
 from inflight.runner import ModelRunner, kv_block_bytes
@@ -136,8 +136,7 @@ class DraftModelProposer:
                              f"{target_path.name} {target_vocab}; they must be the same")
         device = resolve_device(engine_config.device)
         dtype = resolve_dtype(engine_config.dtype, device)
-        kv_dtype = dtype if engine_config.kv_cache_dtype == "auto" else resolve_dtype(
-            engine_config.kv_cache_dtype, device)
+        kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, dtype, device)
         quantization = resolve_quantization(engine_config.quantization, path, device)
         self.model = load_draft_model(path, dtype, device, quantization)
         self.block_size = engine_config.block_size

@@ -146,3 +146,30 @@ def test_the_modules_run_timed_steps_and_more_rows_than_the_kernels_take(
     # Rows past the skinny kernel's limit take the modules (quantized models take the
     # one-call path up to fused_decode_rows); a timed step must time attention apart.
     assert len(calls) == int(one_call)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype,quantization,batch", [(torch.float32, "none", 2),
+                                                      (torch.bfloat16, "q4_0", 5)])
+def test_one_call_decode_equals_modules_over_an_8bit_cache(dtype, quantization, batch, kv_dtype,
+                                                            monkeypatch):
+    model = make_model(dtype, False, quantization)
+    c = model.config
+    caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim + 4,
+                          dtype=kv_dtype) for _ in range(c.num_hidden_layers)]
+    prompts = PROMPTS[:batch]
+    prefill(model, prompts, caches)
+    ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
+    calls = []
+    real = llama.decode_layers
+    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lens, tokens = [len(p) for p in prompts], [7 + i for i in range(batch)]
+    for step in range(5):
+        a = decode(model, tokens, lens, ours, fused=True)
+        b = decode(model, tokens, lens, theirs, fused=False)
+        assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"
+        for x, y in zip(ours, theirs):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        lens = [n + 1 for n in lens]
+        tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
+    assert len(calls) == 5

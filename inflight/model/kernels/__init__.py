@@ -3,8 +3,10 @@ ctypes (no torch headers; ``native_lib.py``), and their PyTorch-facing wrappers 
 each answering None or False where the kernel does not apply. Anything missing (no
 compiler, a failed build, an unsupported shape) falls back to the PyTorch path, logged once.
 
-- ``paged_attention.c``: decode attention over the paged cache; ``reshape_and_cache``.
-- ``prefill_attention.c``: prefill chunks over the paged cache (AVX-512, head size 64).
+- ``paged_attention.c``: decode attention over the paged cache, in the model's dtype or the
+  8-bit formats (``kv8.h``, ``model/kv_quant.py``); ``reshape_and_cache``, which quantizes.
+- ``prefill_attention.c``: prefill chunks over the paged cache (AVX-512, head size 64);
+  ``prefill_attention_kv8.c``: the same over an 8-bit cache, portable C (GNU vector types).
 - ``linear.c``: the skinny linear layer for decode at batch 1-2.
 - ``quant_linear.c``: the linear layer over 4- and 8-bit block-quantized weights (ggml's
   Q4_0, Q4_1, Q8_0) for decode steps (``--quantization``; ``model/quant.py``): AVX512-VNNI,
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from inflight.model.kernels.native_lib import native_for, native_library, thread_count
+from inflight.model import kv_quant
+from inflight.model.kernels.native_lib import (KernelLibrary, native_for, native_library,
+                                               thread_count)
 from inflight.model.quant import QuantizedWeight
 
 
@@ -47,7 +51,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
     Args:
         q: ``[B, num_heads, head_dim]``, float32 or bfloat16, CPU.
-        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, q's dtype.
+        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` in q's dtype, or an
+            8-bit cache (``kv_quant``: rows of ``head_dim + 4``), each row decoded as it is
+            read.
         block_tables: ``[B, max_blocks]`` int64; seq_lens: ``[B]`` int64 (>= 1 each).
         scale: softmax scale.
         num_threads: at most this many threads (default ``torch.get_num_threads()``), each
@@ -58,7 +64,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         ``[B, num_heads, head_dim]`` in q's dtype, or None when the kernel cannot run these
         inputs (then the caller uses the PyTorch path).
     """
-    lib = native_for(q, kv_cache)
+    lib = _native_over_cache(q, kv_cache)
     if lib is None:
         return None
     q = q.contiguous()
@@ -68,42 +74,70 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     b, h, d = q.shape
     _, h_kv, num_blocks, block_size, _ = kv_cache.shape
     rc = lib.paged_decode_attention(
-        int(q.dtype == torch.bfloat16), q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(),
+        int(q.dtype == torch.bfloat16), kv_quant.format_code(kv_cache), q.data_ptr(),
+        kv_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), b, h, h_kv, d, num_blocks, block_size,
         tables.shape[1], scale, thread_count(num_threads), MIN_KEYS_PER_THREAD)
     return out if rc == 0 else None
 
 
+def _native_over_cache(x: torch.Tensor, kv_cache: torch.Tensor) -> KernelLibrary | None:
+    """The library where its kernels can take ``x`` with this cache: the cache in x's dtype,
+    or an 8-bit one (``kv_quant``), contiguous, on CPU."""
+    if not kv_quant.is_8bit(kv_cache.dtype):
+        return native_for(x, kv_cache)
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        return None
+    return native_for(x)
+
+
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                             num_computed: int, scale: float,
                             num_threads: int | None = None) -> torch.Tensor | None:
-    """Causal attention of one sequence's prefill chunk over the paged cache, read in place
-    (``prefill_attention.c``; AVX-512, head size 64).
+    """Causal attention of one sequence's prefill chunk over the paged cache, read in place:
+    ``prefill_attention.c`` over a cache in q's dtype (AVX-512, head size 64), or
+    ``prefill_attention_kv8.c`` over an 8-bit one (any x86, head sizes up to 256, each key and
+    value row decoded once per tile of query rows).
 
     Args:
         q: ``[T, num_heads, head_dim]`` (tokens may be strided; heads and dims contiguous),
             float32 or bfloat16, CPU. Token ``i`` sits at position ``num_computed + i``.
-        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, q's dtype, holding
-            the sequence's keys/values for positions ``0 .. num_computed + T - 1``.
+        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` in q's dtype, or an
+            8-bit cache (``kv_quant``: rows of ``head_dim + 4``, contiguous), holding the
+            sequence's keys/values for positions ``0 .. num_computed + T - 1``.
         block_table: int64 block ids covering those positions.
-        scale: softmax scale. num_threads: as ``paged_decode_attention``.
+        scale: softmax scale. num_threads: at most this many threads of PyTorch's pool
+            (default ``torch.get_num_threads()``), over (KV head, query tile) work items.
+            Results do not depend on it.
 
     Returns:
-        ``[T, num_heads, head_dim]`` in q's dtype, or None where the kernel does not apply
-        (another head size, no AVX-512: then the caller uses PyTorch's SDPA).
+        ``[T, num_heads, head_dim]`` in q's dtype (float32 sums, one rounding), or None where
+        the kernel does not apply (a cache in q's dtype with another head size or without
+        AVX-512; more than 16 query heads a KV head; a head size over 256): then the caller
+        uses PyTorch's SDPA.
+
+    Raises:
+        ValueError: ``block_table`` covers fewer than ``num_computed + T`` positions (the
+            kernel would read past it).
     """
-    lib = native_for(q, kv_cache)
-    if (lib is None or q.shape[2] != lib.prefill_head_dim or q.stride(2) != 1
-            or q.stride(1) != q.shape[2]):
+    quantized = kv_quant.is_8bit(kv_cache.dtype)
+    lib = _native_over_cache(q, kv_cache)
+    if (lib is None or q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2]
+            or (not quantized and q.shape[2] != lib.prefill_head_dim)
+            or (quantized and q.shape[2] != kv_quant.head_dim_of(kv_cache))):
         return None
     table = block_table.contiguous()
     t, h, d = q.shape
     _, h_kv, num_blocks, block_size, _ = kv_cache.shape
+    if table.numel() * block_size < num_computed + t:
+        raise ValueError(f"a block table of {table.numel()} blocks of {block_size} cannot "
+                         f"hold {num_computed + t} positions")
     out = torch.empty(t, h, d, dtype=q.dtype)
-    rc = lib.paged_prefill_attention(
-        int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), kv_cache.data_ptr(),
-        table.data_ptr(), num_computed, t, out.data_ptr(), h, h_kv, d, num_blocks, block_size,
-        scale, thread_count(num_threads))
+    args = (q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), num_computed, t,
+            out.data_ptr(), h, h_kv, d, num_blocks, block_size, scale, thread_count(num_threads))
+    is_bf16 = int(q.dtype == torch.bfloat16)
+    rc = (lib.paged_prefill_attention_kv8(is_bf16, kv_quant.format_code(kv_cache), *args)
+          if quantized else lib.paged_prefill_attention(is_bf16, *args))
     return out if rc == 0 else None
 
 
@@ -210,8 +244,10 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 
     Args:
         k, v: ``[T, num_kv_heads, head_dim]``, tokens may be strided (heads and dims
-            contiguous), the cache's dtype (float32 or bfloat16), CPU.
-        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, contiguous.
+            contiguous), float32 or bfloat16, CPU.
+        kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` in k's dtype, or an
+            8-bit cache (``kv_quant``; each row quantized as ``kv_quant.quantize_rows``
+            does, bit for bit), contiguous.
         slot_mapping: ``[T]`` int64 slots (``block * block_size + offset``), each valid.
 
     Returns:
@@ -220,15 +256,16 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     Raises:
         IndexError: a slot outside the cache (nothing is stored).
     """
-    lib = native_for(kv_cache, k, v)
+    lib = _native_over_cache(k, kv_cache) if v.dtype == k.dtype else None
     if (lib is None or not kv_cache.is_contiguous() or k.stride(2) != 1 or k.stride(1) != k.shape[2]
             or v.stride(2) != 1 or v.stride(1) != v.shape[2]):
         return False
     slots = slot_mapping.contiguous()
-    _, h_kv, num_blocks, block_size, d = kv_cache.shape
-    rc = lib.reshape_and_cache(kv_cache.element_size(), k.data_ptr(), k.stride(0), v.data_ptr(),
-                               v.stride(0), kv_cache.data_ptr(), slots.data_ptr(), k.shape[0],
-                               h_kv, d, num_blocks, block_size)
+    _, h_kv, num_blocks, block_size, _ = kv_cache.shape
+    rc = lib.reshape_and_cache(int(k.dtype == torch.bfloat16), kv_quant.format_code(kv_cache),
+                               k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                               kv_cache.data_ptr(), slots.data_ptr(), k.shape[0], h_kv,
+                               k.shape[2], num_blocks, block_size)
     if rc != 0:
         raise IndexError(f"a KV slot lies outside the cache of {num_blocks * block_size} slots")
     return True
@@ -268,7 +305,8 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
                   num_kv_heads: int, head_dim: int, intermediate_size: int, eps: float,
                   cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                  num_blocks: int, scale: float, num_threads: int | None = None) -> bool:
+                  num_blocks: int, scale: float, kv_fmt: int = 0,
+                  num_threads: int | None = None) -> bool:
     """Run every decoder layer over a decode step's 1-2 tokens in one native call
     (``decode_layers.c``), updating ``x`` in place; bit-identical to the per-module path.
 
@@ -282,6 +320,7 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
         cos, sin: ``[M, 1, head_dim]`` contiguous, x's dtype.
         slot_mapping ``[M]``, block_tables ``[M, width]``, seq_lens ``[M]``: int64, as for
             ``reshape_and_cache`` and ``paged_decode_attention``.
+        kv_fmt: the caches' format (``kv_quant.format_code``: 0 in x's dtype, else 8-bit).
 
     Returns:
         True when done; False when the kernels do not take these shapes or inputs (nothing
@@ -295,7 +334,7 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
         return False
     tables, slots, lens = (t.contiguous() for t in (block_tables, slot_mapping, seq_lens))
     rc = lib.decode_layers(
-        int(x.dtype == torch.bfloat16), x.data_ptr(), x.shape[0], layer_table.data_ptr(),
+        int(x.dtype == torch.bfloat16), kv_fmt, x.data_ptr(), x.shape[0], layer_table.data_ptr(),
         layer_table.shape[0], x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size,
         eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), num_blocks, block_size, scale,

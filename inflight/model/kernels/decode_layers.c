@@ -95,7 +95,7 @@ static void add_in_place(int is_bf16, void *x, const void *y, int64_t n) {
 /* Returns 0; -1 where the kernels do not take these shapes (M, D, grouping: checked before
  * anything is changed); -2 if a slot lies outside the cache (the caller raises IndexError, as
  * for reshape_and_cache); -3 if memory ran out part way (the caller raises MemoryError). */
-int decode_layers(int is_bf16, void *x, int64_t M, const int64_t *layers, int64_t num_layers,
+int decode_layers(int is_bf16, int kv_fmt, void *x, int64_t M, const int64_t *layers, int64_t num_layers,
                   int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps,
                   const void *cos, const void *sin, const int64_t *slots, const int64_t *tables,
                   int64_t table_width, const int64_t *seq_lens, int64_t num_blocks, int64_t BS,
@@ -130,9 +130,9 @@ int decode_layers(int is_bf16, void *x, int64_t M, const int64_t *layers, int64_
                  (const char *)sin + m * D * es);
             memcpy(q + m * H * D * es, row, (size_t)(H * D * es));
         }
-        CHECK(reshape_and_cache(es, qkv + H * D * es, qkv_n, qkv + (H + Hkv) * D * es, qkv_n,
+        CHECK(reshape_and_cache(is_bf16, kv_fmt, qkv + H * D * es, qkv_n, qkv + (H + Hkv) * D * es, qkv_n,
                                 kv, slots, M, Hkv, D, num_blocks, BS), -2);
-        CHECK(paged_decode_attention(is_bf16, q, kv, tables, seq_lens, attn, M, H, Hkv, D,
+        CHECK(paged_decode_attention(is_bf16, kv_fmt, q, kv, tables, seq_lens, attn, M, H, Hkv, D,
                                      num_blocks, BS, table_width, scale, num_threads, min_keys),
               -3);
         CHECK(linear(is_bf16, w, O_PROJ, NULL, attn, o, M, hidden, H * D, num_threads), -3);

@@ -6,12 +6,13 @@
 #include <stdint.h>
 
 /* paged_attention.c */
-int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
+/* kv_fmt: 0 the cache in q's (k's) element type, 1 int8, 2 fp8 e4m3 rows (kv8.h) */
+int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *kv_cache,
                            const int64_t *tables, const int64_t *seq_lens, void *out,
                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
                            int64_t BS, int64_t M, float scale, int64_t num_threads,
                            int64_t min_keys);
-int reshape_and_cache(int64_t esz, const void *k, int64_t k_stride, const void *v,
+int reshape_and_cache(int is_bf16, int kv_fmt, const void *k, int64_t k_stride, const void *v,
                       int64_t v_stride, void *kv_cache, const int64_t *slots, int64_t T,
                       int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS);
 /* prefill_attention.c */
@@ -20,6 +21,13 @@ int paged_prefill_attention(int is_bf16, const void *q, int64_t q_stride, const 
                             int64_t H, int64_t Hkv, int64_t head_dim, int64_t num_blocks,
                             int64_t BS, float scale, int64_t num_threads);
 int64_t paged_prefill_head_dim(void);
+/* prefill_attention_kv8.c */
+/* kv_fmt: 1 int8, 2 fp8 e4m3 rows (kv8.h); q and out float32 or bf16 (is_bf16) */
+int paged_prefill_attention_kv8(int is_bf16, int kv_fmt, const void *q, int64_t q_stride,
+                                const void *kv_cache, const int64_t *table,
+                                int64_t num_computed, int64_t T, void *out, int64_t H,
+                                int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS,
+                                float scale, int64_t num_threads);
 /* linear.c */
 int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
                   int64_t M, int64_t N, int64_t K, int64_t num_threads);
@@ -38,8 +46,8 @@ int rms_norm(int is_bf16, const void *x, const void *weight, void *y, int64_t T,
 void silu_and_mul(int is_bf16, const void *x, void *out, int64_t T, int64_t I,
                   int64_t num_threads);
 /* decode_layers.c */
-int decode_layers(int is_bf16, void *x, int64_t M, const int64_t *layers, int64_t num_layers,
-                  int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps,
+int decode_layers(int is_bf16, int kv_fmt, void *x, int64_t M, const int64_t *layers,
+                  int64_t num_layers, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps,
                   const void *cos, const void *sin, const int64_t *slots, const int64_t *tables,
                   int64_t table_width, const int64_t *seq_lens, int64_t num_blocks, int64_t BS,
                   float scale, int64_t num_threads, int64_t min_keys);

@@ -24,6 +24,7 @@
 #include "bf16.h"
 #include "fast_exp.h"
 #include "kernels.h"
+#include "kv8.h"
 #include "team.h"
 
 /* Blocks sit anywhere in the pool: while one block's rows are used, fetch the next block's
@@ -36,6 +37,20 @@
 
 #define MAX_D 256
 #define MAX_G 16
+
+/* Each of the G rows of `scores` (len each) replaced by exp(score - its max), and denom[g]
+ * set to 1 / the row's sum: the softmax, its division left for the output. */
+static inline void softmax_rows(float *scores, int64_t G, int64_t len, const float *mx,
+                                float *denom) {
+    for (int64_t g = 0; g < G; g++) {
+        float sum = 0.f, *sg = scores + g * len;
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = fast_expf(sg[t] - mx[g]);
+            sum += sg[t];
+        }
+        denom[g] = 1.f / sum;
+    }
+}
 
 /* One (sequence, kv head): G query rows against seq_len keys. DD is the head size: the
  * runtime D, or a constant (64, 128) so the compiler unrolls the dot products fully.
@@ -73,14 +88,7 @@ static void NAME(const T *q, const T *k_base, const T *v_base, const int64_t *ta
             }                                                                              \
         }                                                                                  \
     }                                                                                      \
-    for (int64_t g = 0; g < G; g++) {                                                      \
-        float sum = 0.f, *sg = scores + g * len;                                           \
-        for (int64_t t = 0; t < len; t++) {                                                \
-            sg[t] = fast_expf(sg[t] - mx[g]);                                              \
-            sum += sg[t];                                                                  \
-        }                                                                                  \
-        denom[g] = 1.f / sum;                                                              \
-    }                                                                                      \
+    softmax_rows(scores, G, len, mx, denom);                                               \
     for (int64_t j = 0; j < num_blocks; j++) {                                             \
         const T *vb = v_base + table[j] * BS * DD;                                         \
         const T *vn = v_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * DD;            \
@@ -106,6 +114,81 @@ DEFINE_HEAD(head_f32_64, float, ID, ID, 64)
 DEFINE_HEAD(head_bf16_64, uint16_t, bf16_to_f32, f32_to_bf16, 64)
 DEFINE_HEAD(head_f32_128, float, ID, ID, 128)
 DEFINE_HEAD(head_bf16_128, uint16_t, bf16_to_f32, f32_to_bf16, 128)
+
+/* The same over an 8-bit cache (kv8.h): each key or value row decoded once into float32 and
+ * its scale applied to the score (keys) or to the softmax weight (values), so no dequantized
+ * copy of a block exists; the queries are rotated into the rows' space and the output back. */
+#define DEFINE_HEAD_KV8(NAME, T, LOAD, STORE, DD)                                          \
+static inline __attribute__((always_inline)) void NAME##_body(                             \
+        const int fmt, const T *q, const uint8_t *k_base, const uint8_t *v_base,           \
+        const int64_t *table, int64_t len, int64_t G, int64_t D, int64_t BS, float scale,  \
+        float *scores, T *out) {                                                           \
+    (void)D;                                                                               \
+    const int64_t RS = DD + KV8_SCALE_BYTES;                                               \
+    float qf[MAX_G][MAX_D] __attribute__((aligned(64)));                                   \
+    float acc[MAX_G][MAX_D] __attribute__((aligned(64)));                                  \
+    float kf[MAX_D] __attribute__((aligned(64)));                                          \
+    float mx[MAX_G], denom[MAX_G];                                                         \
+    for (int64_t g = 0; g < G; g++) {                                                      \
+        for (int64_t d = 0; d < DD; d++) {                                                 \
+            qf[g][d] = LOAD(q[g * DD + d]) * scale;                                        \
+            acc[g][d] = 0.f;                                                               \
+        }                                                                                  \
+        kv8_rotate(qf[g], DD); /* into the rows' rotated space */                          \
+        mx[g] = -INFINITY;                                                                 \
+    }                                                                                      \
+    const int64_t num_blocks = (len + BS - 1) / BS;                                        \
+    for (int64_t j = 0; j < num_blocks; j++) {                                             \
+        const uint8_t *kb = k_base + table[j] * BS * RS;                                   \
+        const uint8_t *kn = k_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * RS;      \
+        const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
+        for (int64_t o = 0; o < n; o++) {                                                  \
+            PREFETCH_ROW(kn + o * RS, RS);                                                 \
+            const float ks = kv8_load_row(fmt, kb + o * RS, DD, kf);                       \
+            for (int64_t g = 0; g < G; g++) {                                              \
+                float s = 0.f;                                                             \
+                for (int64_t d = 0; d < DD; d++) s += qf[g][d] * kf[d];                    \
+                s *= ks;                                                                   \
+                scores[g * len + j * BS + o] = s;                                          \
+                mx[g] = s > mx[g] ? s : mx[g];                                             \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    softmax_rows(scores, G, len, mx, denom);                                               \
+    for (int64_t j = 0; j < num_blocks; j++) {                                             \
+        const uint8_t *vb = v_base + table[j] * BS * RS;                                   \
+        const uint8_t *vn = v_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * RS;      \
+        const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
+        for (int64_t o = 0; o < n; o++) {                                                  \
+            PREFETCH_ROW(vn + o * RS, RS);                                                 \
+            const float vs = kv8_load_row(fmt, vb + o * RS, DD, kf);                       \
+            for (int64_t g = 0; g < G; g++) {                                              \
+                const float p = scores[g * len + j * BS + o] * vs;                         \
+                for (int64_t d = 0; d < DD; d++) acc[g][d] += p * kf[d];                   \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    for (int64_t g = 0; g < G; g++) {                                                      \
+        kv8_rotate(acc[g], DD); /* back from the rotated space (H is its own inverse) */   \
+        for (int64_t d = 0; d < DD; d++) out[g * DD + d] = STORE(acc[g][d] * denom[g]);    \
+    }                                                                                      \
+}                                                                                          \
+/* one copy per format, so the row decoding has no branch and unrolls */                   \
+static void NAME(int fmt, const T *q, const uint8_t *k_base, const uint8_t *v_base,       \
+                 const int64_t *table, int64_t len, int64_t G, int64_t D, int64_t BS,       \
+                 float scale, float *scores, T *out) {                                     \
+    if (fmt == KV_INT8)                                                                    \
+        NAME##_body(KV_INT8, q, k_base, v_base, table, len, G, D, BS, scale, scores, out); \
+    else                                                                                   \
+        NAME##_body(KV_FP8, q, k_base, v_base, table, len, G, D, BS, scale, scores, out);  \
+}
+
+DEFINE_HEAD_KV8(head_kv8_f32, float, ID, ID, D)
+DEFINE_HEAD_KV8(head_kv8_bf16, uint16_t, bf16_to_f32, f32_to_bf16, D)
+DEFINE_HEAD_KV8(head_kv8_f32_64, float, ID, ID, 64)
+DEFINE_HEAD_KV8(head_kv8_bf16_64, uint16_t, bf16_to_f32, f32_to_bf16, 64)
+DEFINE_HEAD_KV8(head_kv8_f32_128, float, ID, ID, 128)
+DEFINE_HEAD_KV8(head_kv8_bf16_128, uint16_t, bf16_to_f32, f32_to_bf16, 128)
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -244,11 +327,17 @@ typedef void (*head_f32_fn)(const float *, const float *, const float *, const i
 typedef void (*head_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *,
                              const int64_t *, int64_t, int64_t, int64_t, int64_t, float,
                              float *, uint16_t *);
+typedef void (*head_kv8_f32_fn)(int, const float *, const uint8_t *, const uint8_t *,
+                                const int64_t *, int64_t, int64_t, int64_t, int64_t, float,
+                                float *, float *);
+typedef void (*head_kv8_bf16_fn)(int, const uint16_t *, const uint8_t *, const uint8_t *,
+                                 const int64_t *, int64_t, int64_t, int64_t, int64_t, float,
+                                 float *, uint16_t *);
 
 /* Returns 0 on success, -1 on unsupported shapes or no memory (the caller falls back to
- * PyTorch). Up to num_threads threads, fewer so that each has at least min_keys keys (a
+ * PyTorch). kv_fmt: KV_PLAIN (the cache in q's element type) or an 8-bit format (kv8.h). Up to num_threads threads, fewer so that each has at least min_keys keys (a
  * fork costs microseconds; tiny batches run on the caller's thread). */
-int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
+int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *kv_cache,
                            const int64_t *tables, const int64_t *seq_lens, void *out,
                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
                            int64_t BS, int64_t M, float scale, int64_t num_threads,
@@ -261,8 +350,13 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
     }
     const int64_t head_elems = num_blocks * BS * D;      /* one KV head of K (or V) */
     const int64_t v_offset = Hkv * head_elems;
+    /* An 8-bit cache: bytes, rows of D codes and a scale */
+    const int64_t head_bytes = num_blocks * BS * (D + KV8_SCALE_BYTES);
     head_f32_fn hf32 = D == 64 ? head_f32_64 : D == 128 ? head_f32_128 : head_f32;
     head_bf16_fn hbf16 = D == 64 ? head_bf16_64 : D == 128 ? head_bf16_128 : head_bf16;
+    head_kv8_f32_fn k8f32 = D == 64 ? head_kv8_f32_64 : D == 128 ? head_kv8_f32_128 : head_kv8_f32;
+    head_kv8_bf16_fn k8bf16 =
+        D == 64 ? head_kv8_bf16_64 : D == 128 ? head_kv8_bf16_128 : head_kv8_bf16;
 #if defined(__AVX512BF16__)
     if (D == 64) hbf16 = head_bf16_64_dp;
 #endif
@@ -286,7 +380,17 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
             before += len;
             if (owner != t) continue;
             const int64_t qo = (b * H + h * G) * D;
-            if (is_bf16) {
+            if (kv_fmt != KV_PLAIN) {
+                const uint8_t *kv = kv_cache;
+                if (is_bf16)
+                    k8bf16(kv_fmt, (const uint16_t *)q + qo, kv + h * head_bytes,
+                           kv + Hkv * head_bytes + h * head_bytes, tables + b * M, len, G, D,
+                           BS, scale, scores, (uint16_t *)out + qo);
+                else
+                    k8f32(kv_fmt, (const float *)q + qo, kv + h * head_bytes,
+                          kv + Hkv * head_bytes + h * head_bytes, tables + b * M, len, G, D, BS,
+                          scale, scores, (float *)out + qo);
+            } else if (is_bf16) {
                 const uint16_t *kv = kv_cache;
                 hbf16((const uint16_t *)q + qo, kv + h * head_elems,
                       kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS, scale,
@@ -305,23 +409,41 @@ int paged_decode_attention(int is_bf16, const void *q, const void *kv_cache,
 
 
 /* Store a step's new keys and values at their cache slots (vLLM's reshape_and_cache):
- *   k, v     [T, Hkv, D], k_stride / v_stride elements between tokens, heads contiguous
+ *   k, v     [T, Hkv, D], k_stride / v_stride elements between tokens, heads contiguous,
+ *            float32 or bfloat16 (is_bf16)
  *   slots    [T] int64: token t goes to block slots[t] / BS, offset slots[t] % BS
- * in kv_cache's element type (esz bytes). PyTorch's index_copy_ along the cache's token
- * dimension took up to a millisecond a layer for this. Returns -1, storing nothing, if a
- * slot lies outside the cache. */
-int reshape_and_cache(int64_t esz, const void *k, int64_t k_stride, const void *v,
-                       int64_t v_stride, void *kv_cache, const int64_t *slots, int64_t T,
-                       int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS) {
-    const int64_t head = num_blocks * BS * D;  /* elements of one KV head of K (or V) */
-    char *kc = kv_cache, *vc = (char *)kv_cache + Hkv * head * esz;
+ * kv_fmt KV_PLAIN: the cache holds k/v's own element type, rows copied; an 8-bit format: each
+ * (token, head) row quantized into D codes and its scale (kv8.h). PyTorch's index_copy_ along
+ * the cache's token dimension took up to a millisecond a layer for this. Returns -1, storing
+ * nothing, if a slot lies outside the cache. */
+int reshape_and_cache(int is_bf16, int kv_fmt, const void *k, int64_t k_stride, const void *v,
+                      int64_t v_stride, void *kv_cache, const int64_t *slots, int64_t T,
+                      int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS) {
+    const int64_t esz = is_bf16 ? 2 : 4;
+    const int64_t row = kv_fmt == KV_PLAIN ? D * esz : D + KV8_SCALE_BYTES;  /* bytes */
+    const int64_t head = num_blocks * BS * row;  /* bytes of one KV head of K (or V) */
+    char *kc = kv_cache, *vc = (char *)kv_cache + Hkv * head;
+    if (D > MAX_D) return -1;
     for (int64_t t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= num_blocks * BS) return -1;
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t dst = (h * head + slots[t] * D) * esz;
-            memcpy(kc + dst, (const char *)k + (t * k_stride + h * D) * esz, (size_t)(D * esz));
-            memcpy(vc + dst, (const char *)v + (t * v_stride + h * D) * esz, (size_t)(D * esz));
+            const int64_t dst = h * head + slots[t] * row;
+            const char *ks = (const char *)k + (t * k_stride + h * D) * esz;
+            const char *vs = (const char *)v + (t * v_stride + h * D) * esz;
+            if (kv_fmt == KV_PLAIN) {
+                memcpy(kc + dst, ks, (size_t)row);
+                memcpy(vc + dst, vs, (size_t)row);
+                continue;
+            }
+            float x[MAX_D];
+            for (int pass = 0; pass < 2; pass++) {
+                const char *src = pass ? vs : ks;
+                for (int64_t d = 0; d < D; d++)
+                    x[d] = is_bf16 ? bf16_to_f32(((const uint16_t *)src)[d])
+                                   : ((const float *)src)[d];
+                kv8_store_row(kv_fmt, x, D, (uint8_t *)(pass ? vc : kc) + dst);
+            }
         }
     return 0;
 }
