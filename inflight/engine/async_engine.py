@@ -32,7 +32,6 @@ from inflight.engine.stats import EngineStats, StatsLogger
 from inflight.engine.stream import RequestStream
 from inflight.engine.watchdog import StepWatchdog
 from inflight.errors import EngineDeadError, EngineError, InvalidRequestError
-from inflight.model import kv_quant
 from inflight.outputs import RequestOutput
 from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
@@ -106,7 +105,11 @@ class AsyncEngine(EngineThread):
     def kv_cache_dtype(self) -> str:
         """The KV tensors' element type where the runner has them, else the setting."""
         caches = getattr(getattr(self.engine, "runner", None), "kv_caches", None)
-        return kv_quant.dtype_name(caches[0].dtype) if caches else self.config.kv_cache_dtype
+        if not caches:
+            return self.config.kv_cache_dtype
+        from inflight.model import kv_quant  # here: an engine without a model imports no torch
+
+        return kv_quant.dtype_name(caches[0].dtype)
 
     @property
     def max_num_waiting(self) -> int | None:
