@@ -108,7 +108,8 @@ class EngineConfig:
             a request of priority ``p`` outranks every request of priority ``q`` arriving
             ``(p - q) * priority_aging_s`` seconds or more after it (20 s for 10 levels at
             the default; ``inflight.core.queue_policy``). 0: no aging.
-        num_threads: torch intra-op threads on CPU (None: torch's default).
+        num_threads: torch intra-op threads on CPU, which the native kernels share (None:
+            torch's default, one per CPU this process may run on, ``os.sched_getaffinity``).
         seed: seed of the default generator for unseeded sampling.
         step_breakdown: time each step's phases (``inflight.profiling``); the server logs
             them with its stats line.
@@ -288,7 +289,9 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
                    help="priority policy: seconds of waiting worth one priority level; "
                         "priority p goes ahead of priority q requests arriving "
                         "(p - q) x this many seconds after it (0: no aging)")
-    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for the model (default: one per CPU this process may "
+                        "run on, as taskset or a cgroup's cpuset allows)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    metavar="JSON",
