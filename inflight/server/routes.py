@@ -26,6 +26,10 @@ from inflight.server.metrics import ServerMetrics
 from inflight.server.openapi import package_version
 from inflight.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
+from inflight.server.responses_api import ResponseObject, ResponsesRequest
+from inflight.server.responses_serving import (ResponsesCall, prepare_responses,
+                                               response_body)
+from inflight.server.responses_stream import stream_response
 from inflight.server.tenants import TenantLease
 
 # Routes behind --api-key: the OpenAI API and what changes engine state. /health, /metrics,
@@ -118,7 +122,7 @@ async def _respond(request: Request, gen: Generation, body: _Body, stream_fn: St
 
 
 def v1_router(ctx: ServerContext) -> APIRouter:
-    """OpenAI's API: models, completions, chat completions."""
+    """OpenAI's API: models, completions, chat completions, responses."""
     router = APIRouter(prefix="/v1")
 
     @router.get("/models", operation_id="list_models", response_model=None,
@@ -157,6 +161,16 @@ def v1_router(ctx: ServerContext) -> APIRouter:
         """OpenAI's chat completions (https://platform.openai.com/docs/api-reference/chat)."""
         gen = await _prepare(ctx, request, serving.prepare_chat, body)
         return await _respond(request, gen, body, serving.stream_chat, serving.chat_response)
+
+    @router.post("/responses", operation_id="create_response", response_model=None, responses={
+        **R.streamed(ResponseObject, "the response, or its events (response.created, ..., "
+                     "response.completed)"),
+        **R.errors(400, 401, 404, 413, 500, 503, *((429,) if ctx.tenants.limited else ()))})
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses, stateless (https://platform.openai.com/docs/api-reference/responses)."""
+        call = ResponsesCall(body)
+        gen = await _prepare(ctx, request, prepare_responses, call)
+        return await _respond(request, gen, call, stream_response, response_body)
 
     return router
 
