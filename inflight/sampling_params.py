@@ -32,7 +32,9 @@ class SamplingParams:
             the prompt or output; 1 disables.
         presence_penalty: OpenAI-style additive penalty on tokens already generated, [-2, 2].
         frequency_penalty: OpenAI-style penalty times each generated token's count, [-2, 2].
-        max_tokens: maximum output tokens per completion (None: up to the context length).
+        max_tokens: maximum output tokens per completion (None: up to the context length;
+            0: the prompt is prefilled and nothing generated, scoring a prompt with
+            ``prompt_logprobs``: the request finishes ``length`` with no output token).
         min_tokens: EOS and stop token ids are suppressed until this many tokens exist.
         stop: strings that end the completion; the stop string is cut from the output
             unless ``include_stop_str_in_output``.
@@ -105,8 +107,8 @@ class SamplingParams:
               "presence_penalty", "must be in [-2, 2]")
         check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
               "frequency_penalty", "must be in [-2, 2]")
-        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-              "max_tokens", "must be an integer >= 1 or None")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+              "max_tokens", "must be an integer >= 0 or None")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
         if self.max_tokens is not None and _is_int(self.min_tokens):
             check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")

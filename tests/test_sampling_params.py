@@ -7,7 +7,7 @@ INVALID = [
     ("n", 0), ("n", 1.5), ("temperature", -0.1), ("temperature", float("nan")),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1),
     ("min_p", 1.1), ("seed", "x"), ("seed", 2**64), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
-    ("presence_penalty", -3), ("frequency_penalty", 2.1), ("max_tokens", 0),
+    ("presence_penalty", -3), ("frequency_penalty", 2.1),
     ("max_tokens", -5), ("min_tokens", -1), ("stop", ""), ("stop", [1]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("logprobs", -1), ("logprobs", 21),
     ("include_stop_str_in_output", "yes"), ("ignore_eos", 1), ("skip_special_tokens", None),
@@ -49,3 +49,9 @@ def test_invalid_engine_config_names_the_field(field, value):
 def test_prompt_logprobs_and_logit_bias_accepted():
     p = SamplingParams(prompt_logprobs=0, logit_bias={5: -100, 7: 100.0})
     assert p.prompt_logprobs == 0 and p.logit_bias == {5: -100, 7: 100.0}
+
+
+def test_max_tokens_0_is_a_prefill_only_request():
+    assert SamplingParams(max_tokens=0).max_tokens == 0
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=0, min_tokens=1)

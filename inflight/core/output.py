@@ -75,6 +75,13 @@ class SchedulerOutput:
         """Nothing to run (shed requests still need their outputs)."""
         return not self.scheduled
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens this step computes (a recomputed output token is not one)."""
+        return sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
+                              s.request.num_prompt_tokens) - s.num_computed_tokens)
+                   for s in self.scheduled)
+
 
 @dataclass
 class SampleResult:

@@ -17,10 +17,9 @@ With ``speculative_config``, a decoding request's drafts (``Request.spec_token_i
 its one token in step 1 when ``core.speculation`` allows: they take budget and KV slots like
 any token; ``update`` keeps the accepted ones' positions and frees the rest's blocks.
 
-After the runner sampled, ``update`` appends each token and applies the token-level stops
-(``core.stopping``: EOS, stop token ids, ``max_tokens``, the sequence length limit), freeing a finished
-request's blocks at once. Stop strings are text, so the output processor checks them and
-asks ``stop_request`` to end a request.
+After the runner sampled, ``update`` appends each token (``max_tokens`` 0: none, the request
+ends with its prefill) and applies the token-level stops (``core.stopping``), freeing a
+finished request's blocks at once; the output processor checks stop strings (text).
 """
 
 from __future__ import annotations
@@ -206,10 +205,7 @@ class Scheduler:
             finished (status set, blocks freed, ``stop_reason`` the stop token id).
         """
         now = self.clock() if now is None else now
-        self.num_prompt_tokens += sum(
-            max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
-                       s.request.num_prompt_tokens) - s.num_computed_tokens)
-            for s in out.scheduled)
+        self.num_prompt_tokens += out.num_prompt_tokens
         updated: dict[str, Request] = {}
         kept: dict[str, int] = {}
         for i, res in enumerate(sampled):
@@ -217,12 +213,16 @@ class Scheduler:
             kept[req.request_id] = kept.get(req.request_id, 0) + 1
             if req.is_finished:  # aborted while its step ran, or stopped by an earlier token
                 continue
-            req.append_output_token(res.token_id, res.logprobs, now)
-            self.num_generation_tokens += 1
-            last = i + 1 == len(sampled) or sampled[i + 1].request is not req
-            status = token_stop(req, self.max_sequence_len, last)
-            if status is not None:
-                self.finish_request(req, status)
+            if req.sampling_params.max_tokens == 0:  # prefill only: its sample is not kept
+                req.first_token_time = req.last_token_time = now
+                self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+            else:
+                req.append_output_token(res.token_id, res.logprobs, now)
+                self.num_generation_tokens += 1
+                last = i + 1 == len(sampled) or sampled[i + 1].request is not req
+                status = token_stop(req, self.max_sequence_len, last)
+                if status is not None:
+                    self.finish_request(req, status)
             updated[req.request_id] = req
         if self.speculation is not None:
             self.speculation.settle(out, kept, self.kv_cache)

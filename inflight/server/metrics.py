@@ -10,39 +10,40 @@ so the p50/p95/p99 of TTFT, ITL and E2E over the last ``window_s`` seconds are a
 exactly, as ``GET /stats`` JSON and as the gauges ``inflight:<name>_window{quantile=...}``.
 All durations are in seconds.
 
-Aborted requests, one rule for every series. A sequence that ends with ``abort`` (its client
-left, the server aborted it or shut down, load shedding) or ``error`` (the engine failed it)
-is a finished sequence: it counts once in ``request_success_total`` under that reason, as
-vLLM counts finished requests by finish reason, abort included. Beyond that:
+Aborted requests, one rule for every series: **an aborted request is a finished request
+whose finish is its abort, observed for what it reached.** A sequence that ends with
+``abort`` (its client left, the server aborted it or shut down) or ``error`` (the engine
+failed it) counts once in ``request_success_total`` under that reason, as vLLM counts
+finished requests by finish reason. Every other series treats it as any finished request,
+with the tokens and times it had reached when it ended:
 
-- Series of *work and token events* are recorded when the event happens, so they include
-  what an aborted request did before it ended: ``prompt_tokens_total`` (a prompt counts when
-  its prefill completes, at its first token), ``generation_tokens_total``, TTFT and ITL
-  (histograms and windows), ``iteration_tokens_total``, preemptions, prefix-cache and
-  recomputed-token counters.
-- Series of *per-request summaries*, recorded when a request finishes, take only requests
-  whose every sequence finished ``stop`` or ``length``: ``e2e_request_latency_seconds`` (and
-  its window), ``request_queue_time_seconds``, ``request_prefill_time_seconds``,
-  ``request_decode_time_seconds``, ``request_prompt_tokens`` and
-  ``request_generation_tokens``. An aborted request's length and duration are chosen by
-  whoever aborted it, not by the server, and would skew latency SLOs.
+- Event series, recorded when the event happens: ``prompt_tokens_total`` (a prompt counts
+  once, when its prefill completes, at its first token), ``generation_tokens_total`` (every
+  token sampled into an output), TTFT and ITL (histograms and windows),
+  ``iteration_tokens_total``, preemptions, prefix-cache and recomputed-token counters.
+- Per-request series, recorded when the request finishes, aborted or not:
+  ``request_prompt_tokens`` observes the prompt tokens ``prompt_tokens_total`` counted for
+  it (0 if its prefill never completed), ``request_generation_tokens`` the tokens
+  ``generation_tokens_total`` counted: each histogram's ``_sum`` equals its counter once no
+  request is in flight. The latencies (e2e and its window, queue, prefill, inference,
+  decode) end at the abort; a stage never reached (scheduling, a first token) is not
+  observed. Leaving aborts out would hide the requests a slow server made give up.
+- A request shed (503 before it was scheduled) was refused, not served: it counts in
+  ``requests_shed_total`` and ``request_success_total{finished_reason="abort"}`` only.
 
 Per-request histograms count user requests: a request with ``n > 1`` is one observation
 (its prompt once, the output tokens of all its sequences together), while
-``request_success_total`` counts each sequence. They are vLLM's: besides those above,
-``request_inference_time_seconds`` (first scheduling to the last token: prefill plus
-decode), ``request_time_per_output_token_seconds`` (the decode time over the first
-sequence's output tokens less one; 0 for a single token), ``request_params_n`` and
-``request_params_max_tokens`` (the request's ``n`` and effective ``max_tokens``, as its
-final output's ``RequestMetrics`` carries them). Like the
-other summaries they are recorded when the request finishes, aborted requests left out.
+``request_success_total`` counts each sequence. Also vLLM's: ``request_params_n``,
+``request_params_max_tokens`` (as the engine applied them) and
+``request_time_per_output_token_seconds`` (the first sequence's decode time over its
+tokens less one; only with >= 2 output tokens: one token has no interval, and vLLM and
+SGLang record none).
 
 Every series carries the label ``model_name`` (the served model name) as vLLM's do, so one
 Prometheus can scrape several servers and a dashboard can pick one; ``ServerMetrics``
 built without a ``model_name`` (an engine without a server, in tests) leaves it off.
-``inflight:cache_config_info`` (a gauge at 1, vLLM's emulated Info) carries the KV cache
-configuration as labels: ``block_size``, ``num_gpu_blocks`` (vLLM's name for the KV pool
-size in blocks, wherever the pool lives), ``cache_dtype``, ``enable_prefix_caching``.
+``inflight:cache_config_info`` (a gauge at 1, vLLM's Info) has the KV cache's ``block_size``,
+``num_gpu_blocks`` (the pool in blocks, vLLM's name), ``cache_dtype``, ``enable_prefix_caching``.
 Speculative decoding adds ``inflight:spec_decode_*`` (``spec_metrics.py``), absent when off.
 """
 
@@ -197,7 +198,7 @@ class ServerMetrics:
                                "Time between consecutive output tokens of a sequence.",
                                _ITL_BUCKETS)
         self.e2e = s.histogram("inflight:e2e_request_latency_seconds",
-                               "Time from arrival to finish, requests not aborted.",
+                               "Time from arrival to finish (an aborted request: to its abort).",
                                _REQUEST_BUCKETS)
         self.queue_time = s.histogram("inflight:request_queue_time_seconds",
                                       "Time from arrival to first scheduling (WAITING phase).",
@@ -213,17 +214,18 @@ class ServerMetrics:
                                        "Time from the first to the last token.", _REQUEST_BUCKETS)
         self.request_tpot = s.histogram(
             "inflight:request_time_per_output_token_seconds",
-            "Per request: decode time over its output tokens less one (first sequence).",
+            "Per request with >= 2 output tokens: decode time over its tokens less one.",
             _ITL_BUCKETS)
 
     def _add_token_series(self, s: _Series, token_buckets: list[int],
                           max_num_batched_tokens: int) -> None:
         self.request_prompt_tokens = s.histogram(
-            "inflight:request_prompt_tokens", "Prompt tokens per request, requests not aborted.",
+            "inflight:request_prompt_tokens",
+            "Prompt tokens per request, as prompt_tokens counted them (0 unless prefilled).",
             token_buckets)
         self.request_generation_tokens = s.histogram(
             "inflight:request_generation_tokens",
-            "Output tokens per request (all its sequences), requests not aborted.",
+            "Output tokens per request (all its sequences), aborted ones included.",
             token_buckets)
         self.request_params_n = s.histogram("inflight:request_params_n",
                                             "The n request parameter.", _REQUEST_PARAMS_N_BUCKETS)
@@ -327,16 +329,16 @@ class ServerMetrics:
                 self._count_finished("error" if out.error else c.finish_reason)
                 self._last_emit.pop((rid, c.index), None)
         if out.finished:
-            if out.shed_reason:
-                self.requests_shed.inc()
+            prefilled = rid in self._first_token_seen
             self._first_token_seen.discard(rid)
             for key in [k for k in self._last_emit if k[0] == rid]:
                 del self._last_emit[key]
             per_seq = self._num_output_tokens.pop(rid, {})
-            aborted = out.error or any(c.finish_reason == "abort" for c in out.outputs)
-            if aborted:
-                return  # per-request summaries leave aborted requests out (module docstring)
-            self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            if out.shed_reason:
+                self.requests_shed.inc()
+                return  # refused, not served (module docstring)
+            # What the counters counted for it, aborted or not: the sums agree.
+            self.request_prompt_tokens.observe(len(out.prompt_token_ids) if prefilled else 0)
             self.request_generation_tokens.observe(sum(per_seq.values()))
             if m is not None and m.n is not None:
                 self.request_params_n.observe(m.n)
@@ -360,9 +362,8 @@ class ServerMetrics:
         if m.first_token_time is not None and m.last_token_time is not None:
             decode = m.last_token_time - m.first_token_time
             self.decode_time.observe(decode)
-            # vLLM's mean time per output token: the gaps after the first token.
-            self.request_tpot.observe(
-                decode / (num_first_seq_tokens - 1) if num_first_seq_tokens > 1 else 0.0)
+            if num_first_seq_tokens > 1:  # the mean gap after the first token: needs a gap
+                self.request_tpot.observe(decode / (num_first_seq_tokens - 1))
 
     def _count_finished(self, reason: str) -> None:
         """One more finished sequence in ``inflight:request_success_total{finished_reason}``."""

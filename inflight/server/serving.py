@@ -34,12 +34,12 @@ from inflight.tokenizer import ChatTemplateError
 # --- completions --------------------------------------------------------------------------
 def completion_max_tokens(ctx: ServerContext, req: CompletionRequest, prompt_len: int) -> int | None:
     """The tokens to generate for a ``prompt_len``-token prompt: the body's ``max_tokens``
-    (0, scoring with ``echo``, generates one token that is then dropped, as vLLM does;
-    None: up to ``max_model_len``), or 16 when the body has none, fewer where the context
+    (0, scoring with ``echo``: the prompt is prefilled and nothing generated, so usage
+    says ``completion_tokens: 0``; None: up to ``max_model_len``), or 16 when the body has none, fewer where the context
     has less room left, so that leaving the field out never turns a prompt that fits into
     a 400."""
     if "max_tokens" in req.model_fields_set:
-        return 1 if req.max_tokens == 0 else ctx.default_max_tokens(req.max_tokens, prompt_len)
+        return 0 if req.max_tokens == 0 else ctx.default_max_tokens(req.max_tokens, prompt_len)
     if prompt_len + COMPLETION_DEFAULT_MAX_TOKENS <= ctx.engine.max_model_len:
         return COMPLETION_DEFAULT_MAX_TOKENS
     return None  # what is left of the context (a prompt too long for it is still a 400)
@@ -126,8 +126,6 @@ def completion_choices(gen: Generation, req: CompletionRequest, i: int,
         cands = sorted(cands, key=lambda c: -_cumulative_logprob(c))[:req.n]
     choices: list[dict[str, Any]] = []
     for j, c in enumerate(cands):
-        if req.max_tokens == 0:
-            c = replace(c, text="", token_ids=[], logprobs=[])
         text, logprobs = c.text, None
         echo_offset = 0
         if req.echo:
@@ -226,8 +224,6 @@ def stream_completion(gen: Generation, req: CompletionRequest) -> AsyncIterator[
         index = i * gen.n + c.index
         if out.prompt_logprobs is not None:
             prompt_lps[i] = out.prompt_logprobs
-        if req.max_tokens == 0:  # scoring: the one generated token is not shown
-            c = replace(c, text="", token_ids=[], logprobs=[])
         echo = req.echo and index not in offsets  # the choice's first chunk
         if not c.text and c.finish_reason is None and req.logprobs is None and not echo:
             return None

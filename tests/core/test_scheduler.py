@@ -256,3 +256,27 @@ def test_random_workloads_keep_invariants(workload, num_blocks, budget, max_num_
     assert not engine.has_unfinished_requests()
     assert set(ended) == set(ids)            # every request ends, and says how
     assert engine.kv_cache.num_free_blocks == num_blocks
+
+
+def test_max_tokens_0_ends_with_its_prefill_and_keeps_no_token():
+    runner = FakeRunner()
+    engine = make_engine(runner, max_num_batched_tokens=4, max_num_seqs=4)
+    engine.add_request("score", list(range(10, 20)), SamplingParams(max_tokens=0))
+    engine.add_request("gen", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    outputs = {}
+    finished_at = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            outputs[out.request_id] = out
+            if out.finished:
+                finished_at[out.request_id] = step
+    # 10 prompt tokens in chunks of 4 (4, 4, 2): finished at the step of its last chunk.
+    assert finished_at["score"] == 3
+    score = outputs["score"]
+    assert score.outputs[0].token_ids == [] and score.outputs[0].finish_reason == "length"
+    assert score.metrics.first_token_time is not None  # the prompt is done: TTFT stands
+    assert engine.get_stats().generation_tokens == 2  # gen's two; score sampled none
+    assert engine.get_stats().prompt_tokens == 10 + 3
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # none leaked

@@ -209,7 +209,7 @@ def test_requests_without_a_max_tokens_record_the_applied_one(url, tokenizer):
     assert after["inflight:request_params_n_sum{}"] - before["inflight:request_params_n_sum{}"] == 2
 
 
-def test_aborted_requests_leave_the_params_histograms_alone(url, served):
+def test_an_aborted_stream_counts_in_every_request_series_and_the_sums_agree(url, served):
     metrics: ServerMetrics = served[1]
     wait_until(lambda: idle(url), what="an idle server")
     before = values(url)
@@ -219,10 +219,21 @@ def test_aborted_requests_leave_the_params_histograms_alone(url, served):
         next(lines)  # running; leaving the block closes the connection: an abort
     wait_until(lambda: idle(url), what="the abort")
     after = values(url)
-    assert after["inflight:request_success_total{finished_reason=abort}"] \
-        - before.get("inflight:request_success_total{finished_reason=abort}", 0) == 1
-    for name in ("request_params_n", "request_params_max_tokens", "e2e_request_latency_seconds"):
-        assert after[f"inflight:{name}_count{{}}"] == before[f"inflight:{name}_count{{}}"], name
+
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+    assert delta("inflight:request_success_total{finished_reason=abort}") == 1
+    for name in ("request_params_n", "request_params_max_tokens", "e2e_request_latency_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        assert delta(f"inflight:{name}_count{{}}") == 1, name
+    assert delta("inflight:request_params_max_tokens_sum{}") == 400
+    generated = delta("inflight:generation_tokens_total{}")
+    assert 1 <= generated < 400
+    assert delta("inflight:request_generation_tokens_sum{}") == generated
+    assert delta("inflight:request_prompt_tokens_sum{}") == delta("inflight:prompt_tokens_total{}") > 0
+    # Over the whole life of this server too: every request so far has finished.
+    assert after["inflight:request_prompt_tokens_sum{}"] == after["inflight:prompt_tokens_total{}"]
+    assert after["inflight:request_generation_tokens_sum{}"] == after["inflight:generation_tokens_total{}"]
     assert metrics._num_output_tokens == {}
 
 
@@ -262,6 +273,15 @@ def test_phase_histograms_from_known_timestamps():
     assert value("request_prompt_tokens_sum") == 3
     assert reg.get_sample_value("inflight:request_success_total",
                                 {"model_name": "m", "finished_reason": "length"}) == 1
+    # One output token: no interval, so no time-per-output-token observation (vLLM, SGLang).
+    one = RequestOutput("s", None, [1], [CompletionOutput(0, "", [7], None, "length")],
+                        finished=True, metrics=RequestMetrics(
+                            arrival_time=20.0, first_scheduled_time=20.0, first_token_time=20.5,
+                            last_token_time=20.5, finished_time=20.5, n=1, max_tokens=1))
+    m.on_step(State().get_stats(), [one], 20.5)
+    assert value("request_time_per_output_token_seconds_count") == 1
+    assert value("request_decode_time_seconds_count") == 2
+    assert value("e2e_request_latency_seconds_count") == 2
     # vLLM's buckets: 1-2-5 up to max_model_len for token counts, 1, 2, 5, 10, 20 for n.
     hist = {f.name: f for f in reg.collect()}
     les = [s.labels["le"] for s in hist["inflight:request_params_max_tokens"].samples

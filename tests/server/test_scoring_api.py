@@ -82,7 +82,29 @@ def test_echo_max_tokens_0_scores_the_prompt_as_hf(url, hf_model):
         assert 2 <= len(got) <= 3  # the top 2 plus the prompt token when it is not one
         for v in top.values.tolist():
             assert any(abs(v - g) < 1e-4 for g in got.values())
-    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                             "total_tokens": len(ids)}  # nothing generated, nothing counted
+    assert choice["finish_reason"] == "length"
+
+
+def test_scoring_generates_nothing_streamed_or_not(url, engine):
+    ids = tokenize(url, PROMPT)
+    generated = engine.get_stats().generation_tokens
+    req = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0,
+           "stream_options": {"include_usage": True}}
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", json={**req, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines()
+                  if line and line != "data: [DONE]"]
+    assert chunks[-1]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                                   "total_tokens": len(ids)}
+    choices = [c for ch in chunks for c in ch["choices"]]
+    assert "".join(c["text"] for c in choices) == PROMPT
+    assert sum(len(c["logprobs"]["tokens"]) for c in choices) == len(ids)  # the prompt's only
+    assert choices[-1]["finish_reason"] == "length"
+    assert engine.get_stats().generation_tokens == generated  # the engine sampled none
 
 
 def test_echo_with_generation_and_token_id_prompts(url):
