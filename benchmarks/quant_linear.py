@@ -17,7 +17,7 @@ import os
 
 import torch
 
-import inflight.model.llama as llama
+import inflight.model.linear as linear
 from inflight.bench.timing import seconds_per_call
 from inflight.model.kernels import quant_linear, skinny_linear
 from inflight.model.kernels.native_lib import native_library
@@ -49,7 +49,7 @@ def main() -> None:
         dense, quant = [], {f: [] for f in QuantFormat}
         for _ in range(copies):
             w = torch.randn(n, k) * 0.05
-            lin = llama.Linear(k, n, bias=False)
+            lin = linear.Linear(k, n, bias=False)
             lin.weight = torch.nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
             lin.prepack()
             dense.append(lin)

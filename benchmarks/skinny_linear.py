@@ -20,6 +20,7 @@ import time
 
 import torch
 
+import inflight.model.linear as linear
 import inflight.model.llama as llama
 from inflight.bench.timing import seconds_per_call
 from inflight.model.kernels import skinny_linear
@@ -34,7 +35,7 @@ def shapes(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
         nbytes = n * k * torch.tensor([], dtype=dtype).element_size()
         layers = []
         for _ in range(max(1, int(96e6 // nbytes))):  # > L3: weights stream from DRAM
-            lin = llama.Linear(k, n, bias=False)
+            lin = linear.Linear(k, n, bias=False)
             lin.weight = torch.nn.Parameter(torch.randn(n, k).to(dtype), requires_grad=False)
             lin.prepack()
             layers.append(lin)
@@ -53,12 +54,14 @@ def shapes(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
 
 @contextlib.contextmanager
 def kernel_off():
-    """Route ``Linear`` to oneDNN for any row count while inside."""
-    llama.SKINNY_ROWS_OVERRIDE = 0
+    """Route ``Linear`` to oneDNN for any row count while inside (the skinny kernel
+    declines, so generated rows fall back to the GEMM)."""
+    real = linear.skinny_linear
+    linear.skinny_linear = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        llama.SKINNY_ROWS_OVERRIDE = None
+        linear.skinny_linear = real
 
 
 @contextlib.contextmanager

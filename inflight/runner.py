@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
+from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput, split_rows
 from inflight.faults import FAULTS
 from inflight.model import kv_quant
 from inflight.model.attention import AttentionMetadata, PrefillChunk
@@ -97,20 +97,15 @@ class ModelRunner:
         Only rows that sample reach the LM head: a request's last known token, and for one
         verifying drafts every draft row after it too (``1 + len(drafts)`` rows, in order).
         """
-        # Decodes of generated tokens first (draft rows among them), then of a prompt's
-        # last token, then prefills: the model's quantized-weight rule is about the leading
-        # generated rows.
-        generated = [s for s in out.scheduled
-                     if s.is_decode and s.num_computed_tokens >= s.request.num_prompt_tokens]
-        decodes = generated + [
-            s for s in out.scheduled
-            if s.is_decode and s.num_computed_tokens < s.request.num_prompt_tokens]
-        prefills = [s for s in out.scheduled if not s.is_decode]
+        # Generated tokens' rows first (decodes, draft rows, output tokens recomputed after
+        # a preemption), then prompt chunks: the model's rule for generated rows is about
+        # the leading rows, and only generated rows attend as decodes.
+        decodes, prefills = split_rows(out.scheduled)  # decodes: generated rows only
         timer = self.step_timer
         with timer.section("prepare"):
             input_ids, positions, meta = self._prepare(decodes, prefills)
             meta.timer = timer
-            meta.num_generated = sum(s.num_scheduled_tokens for s in generated)
+            meta.num_generated = sum(s.num_scheduled_tokens for s in decodes)
             rows: list[int] = []
             requests, drafts, prompt_rows = [], [], []
             row = 0
@@ -123,13 +118,17 @@ class ModelRunner:
                     requests.append(s.request)
                     drafts.append(s.draft_token_ids)
             index = torch.tensor(rows, device=self.device) if rows else None
+            # the sampled rows of generated tokens lead the LM head's rows too
+            generated_samples = sum(1 + s.num_draft_tokens for s in decodes if s.samples)
         with timer.section("forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             for s, first_row in prompt_rows:
                 self._record_prompt_logprobs(hidden, s, first_row)
             if index is None:
                 return None, [], []
-            return self.model.compute_logits(hidden.index_select(0, index)), requests, drafts
+            return (self.model.compute_logits(hidden.index_select(0, index),
+                                              generated_rows=generated_samples),
+                    requests, drafts)
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, s: ScheduledRequest,
                                 first_row: int) -> None:

@@ -4,7 +4,7 @@ Plain data, no tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from inflight.request import Request
@@ -81,6 +81,34 @@ class SchedulerOutput:
         return sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
                               s.request.num_prompt_tokens) - s.num_computed_tokens)
                    for s in self.scheduled)
+
+
+def split_rows(scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest],
+                                                           list[ScheduledRequest]]:
+    """The step's requests as the runner lays out rows: (generated, prompt chunks).
+
+    Generated: decodes of output tokens (drafts included) and, of a chunk that recomputes a
+    preempted request, its output tokens, as decode rows: each attends to the keys up to its
+    own position, as when it was first decoded, and so gets the same bits. Prompt chunks:
+    every prompt position, the chunk's prompt part stays a chunk that does not sample. A
+    prompt's last token alone (after a cut or a prefix hit) is a one-token chunk, not a
+    decode, so it attends as it would have inside the whole prompt (batch invariance).
+    """
+    generated: list[ScheduledRequest] = []
+    prefills: list[ScheduledRequest] = []
+    for s in scheduled:
+        num_prompt, start = s.request.num_prompt_tokens, s.num_computed_tokens
+        if s.is_decode and start >= num_prompt:
+            generated.append(s)
+        elif start + s.num_scheduled_tokens <= num_prompt:
+            prefills.append(s)
+        else:
+            cut = max(num_prompt, start)
+            if cut > start:
+                prefills.append(replace(s, token_ids=s.token_ids[:cut - start], samples=False))
+            generated.append(replace(s, token_ids=s.token_ids[cut - start:],
+                                     num_computed_tokens=cut))
+    return generated, prefills
 
 
 @dataclass

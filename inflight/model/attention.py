@@ -56,7 +56,7 @@ class AttentionMetadata:
         num_decodes: the first ``num_decodes`` rows are single-token decodes.
         num_generated: the first ``num_generated`` of those compute generated (output)
             tokens, the rest a prompt's last token; linear layers with block-quantized
-            weights use them for these rows only (``llama._quantized_rows``).
+            weights use them for these rows only (``linear.GENERATED_ROWS``).
         decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0.
         decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
         prefills: the prefill chunks, in row order after the decodes.

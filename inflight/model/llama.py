@@ -14,7 +14,6 @@ step (selective batching, Orca OSDI 2022); attention is per request over its blo
 from __future__ import annotations
 
 import sys
-from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -24,87 +23,12 @@ from inflight.model import kv_quant
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.hparams import ModelConfig
 from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
-                                    quant_linear, rms_norm, silu_and_mul, skinny_linear,
-                                    skinny_max_rows)
+                                    rms_norm, silu_and_mul, skinny_max_rows)
 from inflight.model.kernels.native_lib import onednn_has_amx
+from inflight.model.linear import GENERATED_ROWS, Linear
 from inflight.model.llama_weights import fuse_hf_weights, quantize_fused, set_parameters
 from inflight.model.quant import QuantizedWeight
 from inflight.model.rope import apply_rope, rope_inv_freq
-
-
-def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-# The leading rows of this step for which a Linear with block-quantized weights reads them;
-# the rest multiply the dequantized weights. The model's forward sets the step's generated
-# (output) tokens' rows (AttentionMetadata.num_generated), or every row where prompts are
-# quantized too (``quantized_prompts``). Prompt tokens thus always take one path and
-# generated tokens the quantized one, whatever the chunking, batch or prefix-cache hits: a
-# request's tokens do not depend on how its prompt was split (a prompt chunk of 5 and one of
-# 500 would otherwise differ by the input's int8 rounding). Measured, the int8 kernel is
-# faster than oneDNN's bfloat16 GEMM for a decode step of every size up to 256 rows
-# (docs/performance.md); prompts, hundreds of rows at once, go to oneDNN where it has AMX
-# tiles (about twice the int8 kernel's speed at 128 rows), to the int8 kernel elsewhere
-# (about twice oneDNN's AVX-512 bfloat16 speed there).
-_quantized_rows: ContextVar[int] = ContextVar("quantized_rows", default=0)
-
-# Most rows a dense Linear sends to the skinny kernel; None: the kernel's own measured limit
-# for this CPU (``kernels.skinny_max_rows``). Benchmarks set 0 to compare with oneDNN.
-SKINNY_ROWS_OVERRIDE: int | None = None
-
-
-def _skinny_rows() -> int:
-    return skinny_max_rows() if SKINNY_ROWS_OVERRIDE is None else SKINNY_ROWS_OVERRIDE
-
-
-class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not followed
-    """``nn.Linear`` whose weight, on CPU, is prepacked once into oneDNN's blocked layout,
-    and optionally also kept in a block format (``quant``, ``--quantization``).
-
-    Plain ``F.linear`` hands oneDNN a row-major weight every call, which it may reorder
-    again each time; a prepacked weight skips that (bit-identical results, measured faster
-    at decode batch sizes: docs/performance.md). With ``quant`` set, ``weight`` holds the
-    blocks' dequantized values and the step's generated rows read the blocks
-    (``_quantized_rows``; ``kernels.quant_linear``). Elsewhere this is ``nn.Linear``.
-    """
-
-    packed: torch.Tensor | None = None
-    quant: QuantizedWeight | None = None
-
-    def prepack(self) -> None:
-        if _can_prepack(self.weight.device, self.weight.dtype):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            except RuntimeError:  # bfloat16 on a CPU oneDNN has no bf16 path for (AVX2)
-                self.packed = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        quant, rows = self.quant, _quantized_rows.get()
-        if quant is not None and rows > 0 and x.dim() == 2:
-            if rows >= x.shape[0]:
-                y = quant_linear(x, quant, self.bias)
-                if y is not None:
-                    return y
-            else:  # generated rows first, then prompt rows
-                head = quant_linear(x[:rows], quant, self.bias)
-                if head is not None:
-                    return torch.cat([head, self._dense(x[rows:])])
-        return self._dense(x)
-
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= _skinny_rows():
-            # A few rows: streaming the weight once beats oneDNN's GEMM (skinny_linear; None
-            # off CPU or for another dtype). It needs no prepacked weight: a CPU whose
-            # oneDNN cannot reorder bfloat16 (AVX2) still gets it.
-            y = skinny_linear(x, self.weight, self.bias)
-            if y is not None:
-                return y
-        if self.packed is not None and x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
@@ -263,7 +187,7 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
             module.quant = qw
         linears = self._layer_linears()
         self.all_quantized = bool(linears) and all(m.quant is not None for m in linears)
-        self.fused_decode_rows = sys.maxsize if self.all_quantized else _skinny_rows()
+        self.fused_decode_rows = sys.maxsize if self.all_quantized else skinny_max_rows()
         self.quantized_prompts = (self.all_quantized and self.device.type == "cpu"
                                   and not onednn_has_amx())
 
@@ -284,8 +208,8 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
     # Most rows a decode step may have for the one-call path: the quantized kernel stays
     # ahead of oneDNN's GEMM for more rows than the skinny one (kernels/__init__.py).
     fused_decode_rows: int = SKINNY_MAX_ROWS
-    _step_quant_rows = 0  # the last forward's rule for the LM head (see _quantized_rows)
-    # Prompt rows read the blocks too (a CPU whose oneDNN has no AMX; see _quantized_rows).
+    _step_quant_rows = 0  # the last forward's rule for the LM head (see GENERATED_ROWS)
+    # Prompt rows read the blocks too (a CPU whose oneDNN has no AMX; see GENERATED_ROWS).
     quantized_prompts = False
     # Every decoder layer's linear layers quantized: the one-call path then runs them all
     # on the blocks, so it serves only steps whose rows are all generated tokens.
@@ -364,27 +288,33 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
             # The LM head (compute_logits, next) follows the step's rule too: its first rows
             # are the generated ones (each samples).
             self._step_quant_rows = x.shape[0] if self.quantized_prompts else meta.num_generated
-            token = _quantized_rows.set(self._step_quant_rows)
+            token = GENERATED_ROWS.set(self._step_quant_rows)
             try:
                 if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):
                     for layer, kv_cache in zip(self.layers, kv_caches):
                         x = layer(x, cos, sin, kv_cache, meta)
             finally:
-                _quantized_rows.reset(token)
+                GENERATED_ROWS.reset(token)
             return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor, prompt_rows: bool = False) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, prompt_rows: bool = False,
+                       generated_rows: int | None = None) -> torch.Tensor:
         """``[num_rows, hidden]`` -> ``[num_rows, vocab_size]`` float32 logits of the rows of
-        the last ``forward`` (its quantized-rows rule applies), or with ``prompt_rows`` of
-        prompt positions only (prompt logprobs), always through the dense LM head: where
-        ``quantized_prompts`` sends the forward's prompt rows through the blocks, their
-        logprobs still come from the dense weights, the more exact of the two."""
+        the last ``forward`` (its rule for generated rows applies: the first
+        ``generated_rows`` of ``hidden`` are generated tokens' rows, default the forward's
+        count), or with ``prompt_rows`` of prompt positions only (prompt logprobs), always
+        through the dense LM head: where ``quantized_prompts`` sends the forward's prompt
+        rows through the blocks, their logprobs still come from the dense weights, the
+        more exact of the two."""
+        rows = self._step_quant_rows
+        if generated_rows is not None and not self.quantized_prompts:
+            rows = generated_rows
         with torch.inference_mode():
-            token = _quantized_rows.set(0 if prompt_rows else self._step_quant_rows)
+            token = GENERATED_ROWS.set(0 if prompt_rows else rows)
             try:
                 return self.lm_head(hidden).float()
             finally:
-                _quantized_rows.reset(token)
+                GENERATED_ROWS.reset(token)
 
 
 def _linear_columns(name: str, m: Linear) -> dict[str, int]:

@@ -36,11 +36,11 @@ def test_prompts_read_the_blocks_where_onednn_has_no_amx(quantized_llm):
 def test_prompt_rows_take_the_path_the_rule_names(quantized_llm, monkeypatch, quantized_prompts):
     """Whatever this CPU would choose: with the rule on, a prompt's rows go through the
     block kernel in the prefill step; off, only generated rows do (prompts on oneDNN)."""
-    import inflight.model.llama as llama
+    import inflight.model.linear as linear
 
     rows = []
-    real = llama.quant_linear
-    monkeypatch.setattr(llama, "quant_linear", lambda x, *a, **k: (rows.append(x.shape[0]),
+    real = linear.quant_linear
+    monkeypatch.setattr(linear, "quant_linear", lambda x, *a, **k: (rows.append(x.shape[0]),
                                                                     real(x, *a, **k))[1])
     monkeypatch.setattr(quantized_llm.engine.runner.model, "quantized_prompts", quantized_prompts)
     # 23 rows, no other step of this run has as many; a prompt of its own per case, so no

@@ -20,7 +20,7 @@ import torch
 
 from inflight.config import EngineConfig
 from inflight.engine import Engine
-from inflight.model import llama
+from inflight.model import linear
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model, read_gguf_blocks
 from inflight.model.quant import QuantFormat, QuantizedWeight
@@ -94,7 +94,7 @@ def test_quantized_logits_carry_only_the_block_formats_error(bundled_model_path,
     assert len(ref) == len(prompts) * NUM_TOKENS
     # The same model and row rule, its int8 products computed by the emulation (the
     # one-call decode path runs the native kernel, so the modules run every step).
-    monkeypatch.setattr(llama, "quant_linear", _ggml_arithmetic())
+    monkeypatch.setattr(linear, "quant_linear", _ggml_arithmetic())
     quant.fused_decode = False
     emulated, _ = _run(quant, tokenizer, prompts, forced)
     assert_error_no_larger(ours.logits, emulated.logits, ref)
@@ -106,7 +106,7 @@ def test_quantized_logits_carry_only_the_block_formats_error(bundled_model_path,
 def test_a_requests_tokens_do_not_depend_on_chunking_or_prefix_hits(bundled_model_path, bundled,
                                                                     chat_prompts):
     """Prompt tokens take the dense path and decode tokens the quantized one in every step
-    shape (llama._quantized_rows), so greedy output is the same computed alone, in chunks
+    shape (linear.GENERATED_ROWS), so greedy output is the same computed alone, in chunks
     of 5 tokens, or after a prefix-cache hit, except where the answer nearly ties: oneDNN's
     bfloat16 GEMM rounds differently for 5 rows than for 100 (its kernels differ by shape),
     so a chunked or cached prompt may move a logit by a bfloat16 step or two. The outputs
@@ -148,7 +148,7 @@ def test_a_requests_tokens_do_not_depend_on_chunking_or_prefix_hits(bundled_mode
 def test_only_generated_tokens_take_the_quantized_rows(bundled_model_path, bundled):
     """The runner puts decodes of generated tokens first and counts them
     (AttentionMetadata.num_generated); a prompt's last token computed alone after a prefix
-    hit is a one-token decode row but not a generated one."""
+    hit is a one-token prompt chunk, neither a decode nor a generated row."""
     _, _, tokenizer = bundled
     config, state = load_model(bundled_model_path)
     quant = LlamaForCausalLM(config, dtype=torch.float32)
@@ -174,5 +174,5 @@ def test_only_generated_tokens_take_the_quantized_rows(bundled_model_path, bundl
         engine.step()
     assert seen[0] == (0, 0, 33)  # a's prompt
     assert seen[1] == (1, 1, 1)  # a's second token
-    assert seen[2] == (1, 0, 11)  # b's last prompt token alone (a decode row), c's prompt
+    assert seen[2] == (0, 0, 11)  # b's last prompt token alone (a chunk), c's prompt
     assert seen[3] == (2, 2, 2)  # b and c generate

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import inflight.engine.loading as loading
 import inflight.model.placement as placement
-from inflight.model.llama import Linear
+from inflight.model.linear import Linear
 
 
 @pytest.mark.parametrize("vectorized,expected", [(True, "gguf"), (False, "none")])

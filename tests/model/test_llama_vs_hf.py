@@ -105,15 +105,38 @@ def test_prefill_then_decode_logits_match_hf(tiny_model, dtype, tol, backend, mo
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 13, 22)]
     # Budget 8: the 22-token prompt runs in chunks while the others decode beside it.
     logits, seqs = _run_engine(path, dtype, prompts, max_tokens=12, max_num_batched_tokens=8)
-    hf = copy.deepcopy(hf).to(dtype)  # the module's model stays float32 for later tests
+    if dtype == torch.bfloat16:
+        return _bf16_error_within_hfs(hf, logits, seqs, tol)
     for rid, seq in seqs.items():
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0].float()
         positions = sorted(p for r, p in logits if r == rid)
         assert len(positions) == 12  # the prompt's last token plus 11 decodes
         for pos in positions:
-            atol = tol if dtype == torch.float32 else tol * ref[pos].abs().max().item()
-            torch.testing.assert_close(logits[(rid, pos)], ref[pos], atol=atol, rtol=0)
+            torch.testing.assert_close(logits[(rid, pos)], ref[pos], atol=tol, rtol=0)
+
+
+def _bf16_error_within_hfs(hf, logits, seqs, tol):
+    """bfloat16 against a yardstick, not a fixed bound: the exact logits are HF's model over
+    the same bfloat16 weights in float64; our error (per position, over the logit scale) may
+    exceed ``tol`` only where HF's own bfloat16 errs as much: on average no more than 1.25x
+    HF's, at worst 2x HF's worst. Both round at different points (our kernels sum in
+    float32 and round once), so holding one to the other would spend the bound twice."""
+    exact = copy.deepcopy(hf).to(torch.bfloat16).double()  # the module's model stays float32
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    ours, theirs = [], []
+    for rid, seq in seqs.items():
+        with torch.no_grad():
+            ref = exact(torch.tensor([seq])).logits[0]
+            yard = hf16(torch.tensor([seq])).logits[0].double()
+        positions = sorted(p for r, p in logits if r == rid)
+        assert len(positions) == 12  # the prompt's last token plus 11 decodes
+        for pos in positions:
+            scale = ref[pos].abs().max().item()
+            ours.append((logits[(rid, pos)].double() - ref[pos]).abs().max().item() / scale)
+            theirs.append((yard[pos] - ref[pos]).abs().max().item() / scale)
+    assert sum(ours) / len(ours) <= max(tol, 1.25 * sum(theirs) / len(theirs))
+    assert max(ours) <= max(tol, 2 * max(theirs))
 
 
 def test_preempted_request_recomputes_to_the_same_logits(tiny_model):

@@ -26,7 +26,7 @@ _GEMM_SHAPES_SCRIPT = textwrap.dedent("""
     if sys.argv[1] == "bounded":
         from inflight.engine.memory import bound_primitive_caches
         bound_primitive_caches()
-    from inflight.model.llama import Linear
+    from inflight.model.linear import Linear
     torch.manual_seed(0)
     torch.set_num_threads(1)
     libc = ctypes.CDLL("libc.so.6")

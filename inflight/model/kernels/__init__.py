@@ -91,13 +91,20 @@ def _native_over_cache(x: torch.Tensor, kv_cache: torch.Tensor) -> KernelLibrary
     return native_for(x)
 
 
+# False: a cache in q's dtype where the AVX-512 kernel does not apply goes to PyTorch's SDPA,
+# as before issue 34 (benchmarks/batch_invariance.py); its rows then depend on the chunk.
+PORTABLE_PREFILL_PLAIN = True
+
+
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                             num_computed: int, scale: float,
                             num_threads: int | None = None) -> torch.Tensor | None:
     """Causal attention of one sequence's prefill chunk over the paged cache, read in place:
-    ``prefill_attention.c`` over a cache in q's dtype (AVX-512, head size 64), or
-    ``prefill_attention_kv8.c`` over an 8-bit one (any x86, head sizes up to 256, each key and
-    value row decoded once per tile of query rows).
+    ``prefill_attention.c`` over a cache in q's dtype (AVX-512, head size 64), else
+    ``prefill_attention_kv8.c`` (portable GNU C vectors, any head size up to 256; an 8-bit
+    cache's rows decoded once per tile of query rows). Both run each query row over keys in
+    tiles from position 0, so a row is the same bits however the prompt was cut (batch
+    invariance, issue 34).
 
     Args:
         q: ``[T, num_heads, head_dim]`` (tokens may be strided; heads and dims contiguous),
@@ -112,9 +119,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype (float32 sums, one rounding), or None where
-        the kernel does not apply (a cache in q's dtype with another head size or without
-        AVX-512; more than 16 query heads a KV head; a head size over 256): then the caller
-        uses PyTorch's SDPA.
+        the kernel does not apply (more than 16 query heads a KV head; a head size over
+        256): then the caller uses PyTorch's SDPA.
 
     Raises:
         ValueError: ``block_table`` covers fewer than ``num_computed + T`` positions (the
@@ -123,8 +129,11 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     quantized = kv_quant.is_8bit(kv_cache.dtype)
     lib = _native_over_cache(q, kv_cache)
     if (lib is None or q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2]
-            or (not quantized and q.shape[2] != lib.prefill_head_dim)
-            or (quantized and q.shape[2] != kv_quant.head_dim_of(kv_cache))):
+            or q.shape[2] != kv_quant.head_dim_of(kv_cache) or not kv_cache.is_contiguous()):
+        return None
+    # A cache in q's dtype: the AVX-512 kernel where it applies, else the portable one.
+    portable = quantized or q.shape[2] != lib.prefill_head_dim
+    if portable and not quantized and not PORTABLE_PREFILL_PLAIN:
         return None
     table = block_table.contiguous()
     t, h, d = q.shape
@@ -137,7 +146,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
             out.data_ptr(), h, h_kv, d, num_blocks, block_size, scale, thread_count(num_threads))
     is_bf16 = int(q.dtype == torch.bfloat16)
     rc = (lib.paged_prefill_attention_kv8(is_bf16, kv_quant.format_code(kv_cache), *args)
-          if quantized else lib.paged_prefill_attention(is_bf16, *args))
+          if portable else lib.paged_prefill_attention(is_bf16, *args))
     return out if rc == 0 else None
 
 
@@ -157,10 +166,13 @@ def skinny_max_rows() -> int:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   num_threads: int | None = None) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` for a few rows of ``x``, streaming ``weight`` once.
+    """``x @ weight.T + bias``, each row of ``x`` by the same arithmetic whatever ``M`` is
+    (batch invariant: a row's result does not depend on the rows beside it or how many
+    there are). Up to 8 rows (4 with AVX-512) stream ``weight`` once; more rows go in
+    groups of that many over blocks of ``weight`` kept in L2.
 
     Args:
-        x: ``[M, K]`` float32 or bfloat16, CPU, ``1 <= M <= 16``.
+        x: ``[M, K]`` float32 or bfloat16, CPU, ``M >= 1``.
         weight: ``[N, K]`` (``nn.Linear``'s layout), x's dtype; bias: ``[N]`` or None.
         num_threads: threads of PyTorch's pool (default ``torch.get_num_threads()``), each
             over its own run of weight rows. Results do not depend on it.
@@ -170,7 +182,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         kernel cannot run these inputs (then the caller uses PyTorch).
     """
     lib = native_for(x, weight, *([] if bias is None else [bias]))
-    if lib is None or x.dim() != 2 or not 1 <= x.shape[0] <= 16 or not weight.is_contiguous():
+    if lib is None or x.dim() != 2 or x.shape[0] < 1 or not weight.is_contiguous():
         return None
     x = x.contiguous()
     if bias is not None:

@@ -5,7 +5,9 @@
  * (docs/performance.md). This walks W once, row by row, in the layout nn.Linear keeps it,
  * every thread of PyTorch's OpenMP pool streaming its own contiguous run of rows (see
  * paged_attention.c on why the pool is PyTorch's). Prefetches may run past the end of W:
- * they are hints and never fault.
+ * they are hints and never fault. Any M is taken: the model sends every generated token's
+ * row here whatever the step holds (batch invariance, llama.py), more than a register
+ * block of rows going in groups over blocks of W kept in L2 (dot_rows).
  *
  *   x  [M, K]   float32 or bfloat16 (uint16 bits), rows contiguous
  *   W  [N, K]   same element type;  bias [N] or NULL
@@ -174,7 +176,8 @@ static const avx2_bf16_fn AVX2_BF16[9] = {0, avx2_bf16_1, avx2_bf16_2, avx2_bf16
 #endif
 
 /* The most rows skinny_linear beats oneDNN's GEMM for on this CPU (measured: 2 with AVX-512,
- * where oneDNN's GEMM is fast from 3 rows; 8 with AVX2 alone, where it is not). */
+ * where oneDNN's GEMM is fast from 3 rows; 8 with AVX2 alone, where it is not): the rows
+ * decode_layers.c takes in one call for a dense model, and the old count rule's limit. */
 int64_t skinny_max_rows(void) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     return AVX2_MAX_M;
@@ -183,15 +186,65 @@ int64_t skinny_max_rows(void) {
 #endif
 }
 
+/* Input rows per call of a row routine: the most one register-blocked routine takes. */
+#if defined(__AVX512F__)
+#define GROUP AVX_MAX_M
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GROUP AVX2_MAX_M
+#else
+#define GROUP 8
+#endif
+/* Weight bytes a block of rows may take while every group of input rows passes over it:
+ * the block stays in L2 instead of being read from memory once per group. */
+#define BLOCK_BYTES 65536
+
+/* Dot products of weight rows [r, r + nr) with input rows [g, g + mm), mm <= GROUP. Which
+ * routine computes a row depends on the dtype, K and nr alone, never on M or on the rows
+ * beside it, and every routine keeps one accumulator chain per input row: a row's result is
+ * the same bits in a call of 1 row or of 4,000 (batch invariance, tests/model/
+ * test_linear_kernel.py). */
+static void dot_rows(int is_bf16, const void *x, const float *xf, const void *w, int64_t r,
+                     int64_t nr, int64_t g, int64_t mm, int64_t K, float acc[MAX_M][ROWS]) {
+    const float *xg = xf + g * K;
+#ifdef __AVX512F__
+#ifdef __AVX512BF16__
+    if (nr == ROWS && K % 32 == 0 && is_bf16) {
+        DP_BF16[mm]((const uint16_t *)w + r * K, (const uint16_t *)x + g * K, K, acc);
+        return;
+    }
+#endif
+    if (nr == ROWS && K % 16 == 0) {
+        if (is_bf16) AVX_BF16[mm]((const uint16_t *)w + r * K, xg, K, acc);
+        else AVX_F32[mm]((const float *)w + r * K, xg, K, acc);
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (nr == ROWS && K % 8 == 0) {
+        if (is_bf16) AVX2_BF16[mm]((const uint16_t *)w + r * K, xg, K, acc);
+        else AVX2_F32[mm]((const float *)w + r * K, xg, K, acc);
+        return;
+    }
+#endif
+    (void)x;
+    if (is_bf16) rows_bf16((const uint16_t *)w + r * K, xg, mm, K, nr, acc);
+    else rows_f32((const float *)w + r * K, xg, mm, K, nr, acc);
+}
+
 /* Returns 0 on success, -1 on unsupported shapes or no memory (the caller uses PyTorch). */
 int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
                   int64_t M, int64_t N, int64_t K, int64_t num_threads) {
-    if (M < 1 || M > MAX_M || N < 1 || K < 1) return -1;
-    float *xf = malloc(sizeof(float) * (size_t)(M * K));
-    if (!xf) return -1;
-    for (int64_t i = 0; i < M * K; i++)
-        xf[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    if (M < 1 || N < 1 || K < 1) return -1;
+    float *copy = NULL; /* bfloat16 input widened once; float32 input is read in place */
+    if (is_bf16) {
+        copy = malloc(sizeof(float) * (size_t)(M * K));
+        if (!copy) return -1;
+        for (int64_t i = 0; i < M * K; i++) copy[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+    const float *xf = is_bf16 ? copy : (const float *)x;
     const int64_t groups = (N + ROWS - 1) / ROWS;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    int64_t block = BLOCK_BYTES / (K * elem) / ROWS * ROWS;
+    block = block > ROWS ? block : ROWS;
     int64_t nt = num_threads < groups ? num_threads : groups;
     nt = nt > 1 ? nt : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -201,31 +254,21 @@ int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, v
         const int64_t lo = groups * t / n * ROWS, hi_g = groups * (t + 1) / n * ROWS;
         const int64_t hi = hi_g < N ? hi_g : N;
         float acc[MAX_M][ROWS];
-        for (int64_t r = lo; r < hi; r += ROWS) {
-            const int64_t nr = hi - r < ROWS ? hi - r : ROWS;
-#ifdef __AVX512F__
-#ifdef __AVX512BF16__
-            if (nr == ROWS && M <= AVX_MAX_M && K % 32 == 0 && is_bf16)
-                DP_BF16[M]((const uint16_t *)w + r * K, (const uint16_t *)x, K, acc);
-            else
-#endif
-            if (nr == ROWS && M <= AVX_MAX_M && K % 16 == 0) {
-                if (is_bf16) AVX_BF16[M]((const uint16_t *)w + r * K, xf, K, acc);
-                else AVX_F32[M]((const float *)w + r * K, xf, K, acc);
-            } else
-#elif defined(__AVX2__) && defined(__FMA__)
-            if (nr == ROWS && M <= AVX2_MAX_M && K % 8 == 0) {
-                if (is_bf16) AVX2_BF16[M]((const uint16_t *)w + r * K, xf, K, acc);
-                else AVX2_F32[M]((const float *)w + r * K, xf, K, acc);
-            } else
-#endif
-            if (is_bf16) rows_bf16((const uint16_t *)w + r * K, xf, M, K, nr, acc);
-            else rows_f32((const float *)w + r * K, xf, M, K, nr, acc);
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t j = 0; j < nr; j++)
-                    store_output(is_bf16, y, m * N + r + j, acc[m][j], bias, r + j);
+        for (int64_t b = lo; b < hi; b += block) {
+            const int64_t b_end = b + block < hi ? b + block : hi;
+            for (int64_t g = 0; g < M; g += GROUP) {
+                const int64_t mm = M - g < GROUP ? M - g : GROUP;
+                for (int64_t r = b; r < b_end; r += ROWS) {
+                    const int64_t nr = b_end - r < ROWS ? b_end - r : ROWS;
+                    dot_rows(is_bf16, x, xf, w, r, nr, g, mm, K, acc);
+                    for (int64_t m = 0; m < mm; m++)
+                        for (int64_t j = 0; j < nr; j++)
+                            store_output(is_bf16, y, (g + m) * N + r + j, acc[m][j], bias,
+                                         r + j);
+                }
+            }
         }
     }
-    free(xf);
+    free(copy);
     return 0;
 }

@@ -154,12 +154,22 @@ static void load_queries(const job_t *j, int64_t h, int64_t i0, int64_t rows, in
         for (int64_t d = 0; d < D; d++)
             dst[d] = (j->is_bf16 ? bf16_to_f32(((const uint16_t *)src)[d])
                                  : ((const float *)src)[d]) * j->scale;
-        kv8_rotate(dst, D);
+        if (j->fmt != KV_PLAIN) kv8_rotate(dst, D);
         memset(s->acc + r * DP, 0, (size_t)DP * 4);
         s->mx[r] = -INFINITY;
         memset(s->den + r * VL, 0, VL * 4);
         s->pos[r] = j->num_computed + t;
     }
+}
+
+/* One cached row as float32 into dst; returns its scale (1 for a plain row, exact). */
+static inline float load_row(const job_t *j, const uint8_t *row, float *dst) {
+    if (j->fmt != KV_PLAIN) return kv8_load_row(j->fmt, row, j->D, dst);
+    if (j->is_bf16)
+        for (int64_t d = 0; d < j->D; d++) dst[d] = bf16_to_f32(((const uint16_t *)row)[d]);
+    else
+        memcpy(dst, row, (size_t)j->D * 4);
+    return 1.f;
 }
 
 /* Keys and values [j0, j0 + n) of KV head h decoded into the tile (codes; scales apart);
@@ -171,8 +181,8 @@ static void load_tile(const job_t *j, int64_t h, int64_t j0, int64_t n, scratch_
         float *vr = s->v + jj * DP;
         if (jj < n) {
             const int64_t p = j0 + jj, off = (j->table[p / BS] * BS + p % BS) * j->RS;
-            s->ks[jj] = kv8_load_row(j->fmt, kb + off, D, s->tmp);
-            s->vs[jj] = kv8_load_row(j->fmt, vb + off, D, vr);
+            s->ks[jj] = load_row(j, kb + off, s->tmp);
+            s->vs[jj] = load_row(j, vb + off, vr);
             for (int64_t d = 0; d < D; d++) s->kt[d * KT + jj] = s->tmp[d];
         } else {
             s->ks[jj] = s->vs[jj] = 0.f;
@@ -271,7 +281,7 @@ static void item(const job_t *j, int64_t h, int64_t i0, int64_t i1, scratch_t *s
     }
     for (int64_t r = 0; r < rows; r++) {
         float *acc = s->acc + r * DP;
-        kv8_rotate(acc, D);  /* back from the rows' rotated space (H is its own inverse) */
+        if (j->fmt != KV_PLAIN) kv8_rotate(acc, D);  /* back from the rotated space (H = H^-1) */
         float den = 0.f;
         for (int l = 0; l < VL; l++) den += s->den[r * VL + l];
         const float inv = 1.f / den;
@@ -294,7 +304,11 @@ static int64_t tile_tokens(int64_t T, int64_t G, int64_t Hkv, int64_t num_thread
 }
 
 /* q: [T, H, D] float32 or bf16 (is_bf16) with q_stride elements between tokens; kv_cache:
- * [2, Hkv, num_blocks, BS, D + 4] rows of format kv_fmt (KV_INT8, KV_FP8); table: the
+ * [2, Hkv, num_blocks, BS, D + 4] rows of format kv_fmt (KV_INT8, KV_FP8), or KV_PLAIN:
+ * [2, Hkv, num_blocks, BS, D] in q's type (where prefill_attention.c does not apply: no
+ * AVX-512, another head size; a query row's sums then run over keys in tiles of KT from
+ * position 0 whatever the chunk, so a prompt's rows are the same bits however it was cut);
+ * table: the
  * sequence's block ids; out: [T, H, D] contiguous in q's type. Returns 0, or -1 on an
  * unsupported shape or format, or when memory ran out. */
 int paged_prefill_attention_kv8(int is_bf16, int kv_fmt, const void *q, int64_t q_stride,
@@ -302,12 +316,13 @@ int paged_prefill_attention_kv8(int is_bf16, int kv_fmt, const void *q, int64_t 
                                 int64_t num_computed, int64_t T, void *out, int64_t H,
                                 int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS,
                                 float scale, int64_t num_threads) {
-    if ((kv_fmt != KV_INT8 && kv_fmt != KV_FP8) || T < 1 || num_computed < 0 || Hkv < 1
+    if ((kv_fmt != KV_PLAIN && kv_fmt != KV_INT8 && kv_fmt != KV_FP8) || T < 1 || num_computed < 0 || Hkv < 1
         || H % Hkv || H / Hkv > MAX_G || D < 1 || D > KV8_MAX_D || BS < 1 || num_blocks < 1)
         return -1;
     const int64_t nt0 = num_threads > 1 ? num_threads : 1;
     job_t j = {.is_bf16 = is_bf16, .fmt = kv_fmt, .q = q, .q_stride = q_stride,
-               .esz = is_bf16 ? 2 : 4, .kv = kv_cache, .RS = D + KV8_SCALE_BYTES,
+               .esz = is_bf16 ? 2 : 4, .kv = kv_cache,
+               .RS = kv_fmt == KV_PLAIN ? D * (is_bf16 ? 2 : 4) : D + KV8_SCALE_BYTES,
                .table = table, .num_computed = num_computed, .T = T, .H = H, .Hkv = Hkv,
                .G = H / Hkv, .D = D, .DP = (D + VC - 1) / VC * VC, .BS = BS, .scale = scale,
                .out = out};

@@ -1,0 +1,99 @@
+"""The model's linear layer and the rule that picks a row's kernel (batch invariance).
+
+A step's rows are its generated tokens' rows first, then prompt rows (the runner's order,
+``core.output.split_rows``); ``GENERATED_ROWS`` counts the first. They take the row kernels,
+the rest oneDNN's GEMM, whatever else the step holds: docs/architecture.md, "Batch
+invariance"; "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025).
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.model.kernels import quant_linear, skinny_linear, skinny_max_rows
+from inflight.model.quant import QuantizedWeight
+
+
+def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+# The leading rows of this step that take the row kernels: a block-quantized Linear's int8
+# kernel (``quant_linear``), a dense one's skinny kernel (``skinny_linear``); the other rows
+# take the dequantized or dense weights through oneDNN's GEMM. The model's forward sets the
+# step's generated (output) tokens' rows (AttentionMetadata.num_generated: decodes, drafts,
+# and output tokens recomputed after a preemption, all placed first by the runner), or every
+# row where prompts are quantized too (``quantized_prompts``). A token thus takes the same
+# path whatever the batch, the chunking, a prefix-cache hit or a preemption, and both paths
+# give a row the same bits whatever rows share its call (each kernel reduces a row alone;
+# oneDNN's GEMM was checked for it: tests/model/test_batch_invariance.py). So greedy output
+# does not depend on who else is in the batch ("Defeating Nondeterminism in LLM
+# Inference", Thinking Machines, 2025). Measured, the int8 kernel is faster than oneDNN's
+# bfloat16 GEMM for a decode step of every size up to 256 rows (docs/performance.md);
+# prompts, hundreds of rows at once, go to oneDNN where it has AMX tiles (about twice the
+# int8 kernel's speed at 128 rows), to the int8 kernel elsewhere (about twice oneDNN's
+# AVX-512 bfloat16 speed there).
+GENERATED_ROWS: ContextVar[int] = ContextVar("generated_rows", default=0)
+
+# False: the rule before batch invariance, for benchmarks: a dense Linear's rows go to the
+# skinny kernel when there are at most ``kernels.skinny_max_rows`` of them, else to oneDNN,
+# generated or not.
+BATCH_INVARIANT = True
+
+
+class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not followed
+    """``nn.Linear`` whose weight, on CPU, is prepacked once into oneDNN's blocked layout,
+    and optionally also kept in a block format (``quant``, ``--quantization``).
+
+    Plain ``F.linear`` hands oneDNN a row-major weight every call, which it may reorder
+    again each time; a prepacked weight skips that (bit-identical results, measured faster
+    at decode batch sizes: docs/performance.md). With ``quant`` set, ``weight`` holds the
+    blocks' dequantized values and the step's generated rows read the blocks
+    (``GENERATED_ROWS``; ``kernels.quant_linear``). Elsewhere this is ``nn.Linear``.
+    """
+
+    packed: torch.Tensor | None = None
+    quant: QuantizedWeight | None = None
+
+    def prepack(self) -> None:
+        if _can_prepack(self.weight.device, self.weight.dtype):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            except RuntimeError:  # bfloat16 on a CPU oneDNN has no bf16 path for (AVX2)
+                self.packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = GENERATED_ROWS.get()
+        if x.dim() != 2 or rows <= 0:
+            return self._gemm(x)
+        head = self._rows(x[:rows] if rows < x.shape[0] else x)
+        if head is None:  # no native kernel for these inputs: PyTorch's path for all
+            return self._gemm(x)
+        # generated rows first, then prompt rows
+        return head if rows >= x.shape[0] else torch.cat([head, self._gemm(x[rows:])])
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The row kernel: each row reduced alone, the same bits in any batch."""
+        if self.quant is not None:
+            return quant_linear(x, self.quant, self.bias)
+        if not BATCH_INVARIANT and x.shape[0] > skinny_max_rows():
+            return self._gemm(x)
+        # Streams the weight once for a decode step's few rows, in groups over blocks of
+        # it for many (skinny_linear; None off CPU or for another dtype). It needs no
+        # prepacked weight: a CPU whose oneDNN cannot reorder bfloat16 (AVX2) still gets it.
+        return skinny_linear(x, self.weight, self.bias)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if not BATCH_INVARIANT and x.dim() == 2 and x.shape[0] <= skinny_max_rows():
+            y = skinny_linear(x, self.weight, self.bias)
+            if y is not None:
+                return y
+        if self.packed is not None and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
