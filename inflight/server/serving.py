@@ -13,7 +13,6 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from inflight.outputs import CompletionOutput, RequestOutput
