@@ -82,6 +82,9 @@ class RequestOutput:
             (the first) or ``{token_id: (logprob, rank)}`` of the token and the top-k
             (vLLM's ``prompt_logprobs``, rank 1 = most likely). A streamed request gets them
             once, on the first delta after the whole prompt is computed.
+        embedding: with ``SamplingParams.pooling``, the prompt's pooled final hidden state,
+            L2-normalized, ``hidden_size`` floats (vLLM's ``PoolingOutput.embedding``);
+            None otherwise and until the prompt is computed.
     """
 
     request_id: str
@@ -96,6 +99,7 @@ class RequestOutput:
     abort_reason: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    embedding: list[float] | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def failure(self) -> EngineError | None:

@@ -112,6 +112,12 @@ class Request:
         # token, then ``{token_id: (logprob, rank)}`` of the prompt token and the top-k
         # (rank 1 = most likely). Filled by the model runner as the prompt is computed.
         self.prompt_logprobs: list[dict[int, tuple[float, int]] | None] = []
+        # With ``sampling_params.pooling``: the runner's running sum of pooled hidden states
+        # (an opaque float64 vector), the prompt positions it holds, and the final
+        # normalized embedding once the whole prompt is computed.
+        self.pooled_sum: Any = None
+        self.num_pooled_tokens = 0
+        self.embedding: list[float] | None = None
         # With ``sampling_params.structured_outputs``: this sequence's grammar matcher
         # (``structured_output.GrammarState``), set by the engine; the sampler masks by it.
         self.grammar: Any = None
@@ -159,6 +165,12 @@ class Request:
         reach the LM head, so none may come from the prefix cache."""
         return (self.sampling_params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < len(self.prompt_token_ids))
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Every prompt position must be computed here (none from the prefix cache):
+        prompt logprobs still missing, or mean pooling."""
+        return self.needs_prompt_logprobs or self.sampling_params.pooling == "mean"
 
     @property
     def finish_reason(self) -> str | None:

@@ -18,6 +18,7 @@ from inflight.model import kv_quant
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
+from inflight.model.pooler import pool_rows
 from inflight.profiling import NULL_TIMER
 from inflight.request import Request
 from inflight.sampler import Sampler
@@ -107,11 +108,13 @@ class ModelRunner:
             meta.timer = timer
             meta.num_generated = sum(s.num_scheduled_tokens for s in decodes)
             rows: list[int] = []
-            requests, drafts, prompt_rows = [], [], []
+            requests, drafts, prompt_rows, pooled_rows = [], [], [], []
             row = 0
             for s in decodes + prefills:
                 if s.request.needs_prompt_logprobs:
                     prompt_rows.append((s, row))
+                if s.request.sampling_params.pooling is not None:
+                    pooled_rows.append((s, row))
                 row += s.num_scheduled_tokens
                 if s.samples:
                     rows.extend(range(row - 1 - s.num_draft_tokens, row))
@@ -124,6 +127,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             for s, first_row in prompt_rows:
                 self._record_prompt_logprobs(hidden, s, first_row)
+            for s, first_row in pooled_rows:
+                pool_rows(hidden, s, first_row)
             if index is None:
                 return None, [], []
             return (self.model.compute_logits(hidden.index_select(0, index),

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 from inflight.structured_output import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+# ``SamplingParams.pooling``: None (generate), last token's or mean hidden state (embeddings).
+POOLING_TYPES = (None, "last", "mean")
 
 
 @dataclass
@@ -52,6 +54,11 @@ class SamplingParams:
             ``logit_bias``, bias in [-100, 100]); returned logprobs stay the raw ones.
         structured_outputs: what the output must match (a JSON schema, regex, choice or
             grammar; ``inflight.structured_output``); None: unconstrained.
+        pooling: ``"last"`` or ``"mean"``: an embedding request (vLLM's pooling runner for
+            a decoder model): the prompt is prefilled and its final (normed) hidden states
+            pooled, the last token's or the mean over every prompt token, L2-normalized,
+            into ``RequestOutput.embedding``. Needs ``max_tokens == 0`` and ``n == 1``;
+            ``"mean"`` reads nothing from the prefix cache (every position is pooled).
     """
 
     n: int = 1
@@ -74,6 +81,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    pooling: str | None = None
     # Filled in from ``stop`` / ``stop_token_ids``: always tuples.
     stop_strings: tuple[str, ...] = field(init=False, default=())
     stop_ids: tuple[int, ...] = field(init=False, default=())
@@ -128,6 +136,10 @@ class SamplingParams:
         check(self.structured_outputs is None
               or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "must be a StructuredOutputsParams or None")
+        check(self.pooling in POOLING_TYPES, "pooling", f"must be one of {POOLING_TYPES}")
+        if self.pooling is not None:
+            check(self.max_tokens == 0, "max_tokens", "must be 0 for a pooling request")
+            check(self.n == 1, "n", "must be 1 for a pooling request")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
 

@@ -101,10 +101,11 @@ class KVCacheManager:
 
         At most ``(num_tokens - 1) // block_size`` blocks: at least one token is left to
         compute, for the logits. Empty when caching is off, the request holds blocks, or
-        it still needs prompt logprobs (vLLM skips reading the cache for those too).
+        it still needs prompt logprobs or mean pooling (vLLM skips reading the cache for
+        those too).
         """
         if (not self.enable_prefix_caching or request.request_id in self.block_tables
-                or request.needs_prompt_logprobs):
+                or request.needs_every_prompt_position):
             return []
         hits = []
         for h in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):

@@ -275,7 +275,8 @@ class OutputProcessor:
             shed_reason=group.shed_reason, retry_after=group.retry_after,
             abort_reason=group.abort_reason,
             num_cached_tokens=group.seqs[0].request.num_cached_tokens,
-            prompt_logprobs=group.take_prompt_logprobs())
+            prompt_logprobs=group.take_prompt_logprobs(),
+            embedding=group.seqs[0].request.embedding)
 
 
 def _metrics(requests: Sequence[Request]) -> RequestMetrics:

@@ -76,6 +76,22 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Embed ``prompts`` (vLLM's ``LLM.embed``): each output's ``embedding`` is the
+        prompt's pooled final hidden state, L2-normalized (``SamplingParams.pooling``:
+        ``"last"`` token, vLLM's default for a decoder model, or ``"mean"``).
+
+        Returns:
+            One ``RequestOutput`` per prompt, in input order, ``embedding`` of
+            ``hidden_size`` floats.
+
+        Raises:
+            ValueError: a bad prompt or an unknown ``pooling``.
+        """
+        params = SamplingParams(max_tokens=0, pooling=pooling)
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
