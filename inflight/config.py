@@ -14,6 +14,7 @@ from inflight.core.overload import OVERLOAD_INTERVAL_S
 from inflight.core.policies import BATCHING_POLICIES
 from inflight.core.queue_policy import SCHEDULING_POLICIES
 from inflight.core.spec_config import SpeculativeConfig
+from inflight.lora.lora_config import LoRAConfig, add_lora_cli_args, lora_config_from_args
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3")
@@ -115,6 +116,9 @@ class EngineConfig:
             them with its stats line.
         speculative_config: speculative decoding (``core.spec_config``, vLLM's
             ``--speculative-config`` JSON); None: off.
+        lora_config: LoRA adapters (``lora.lora_config``, vLLM's ``--enable-lora``,
+            ``--lora-modules``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``);
+            None: off.
     """
 
     model: str | None = None
@@ -146,6 +150,7 @@ class EngineConfig:
     seed: int = 0
     step_breakdown: bool = False
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -186,10 +191,14 @@ class EngineConfig:
         g = parser.add_argument_group("engine")
         _add_model_args(g)
         _add_scheduling_args(g)
+        add_lora_cli_args(parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        """The config ``add_cli_args``' flags give. Raises ``ValueError`` naming a field."""
+        lora = lora_config_from_args(args)
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)
+                      if f.name != "lora_config"}, lora_config=lora)
 
 
 def _seconds_or_off(text: str) -> float | None:

@@ -50,6 +50,8 @@ class RequestOptions:
             shares the engine between tenants. None: the anonymous tenant.
         cache_salt: mixed into the first KV block's hash (vLLM's request field): requests
             share cached prefix blocks only when their salts are equal.
+        lora_name: the LoRA adapter to run with (the request's ``model`` when it names
+            one, ``--lora-modules``); None: the base model.
     """
 
     priority: int = 0
@@ -57,6 +59,7 @@ class RequestOptions:
     itl_slo: float | None = None
     tenant: str | None = None
     cache_salt: str | None = None
+    lora_name: str | None = None
 
     def check_policy(self, policy: str) -> None:
         """Refuse a field ``policy`` would silently ignore (vLLM answers 400 for a non-zero
@@ -86,14 +89,15 @@ class Request:
         eos_token_ids: ids that finish the request unless ``ignore_eos``.
         priority: lower is served first under ``scheduling_policy="priority"``.
         ttft_slo, itl_slo: latency targets in seconds for ``scheduling_policy="slo"``.
-        tenant, cache_salt: see ``RequestOptions``.
+        tenant, cache_salt, lora_name: see ``RequestOptions``.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), *, priority: int = 0,
                  ttft_slo: float | None = None, itl_slo: float | None = None,
-                 tenant: str | None = None, cache_salt: str | None = None) -> None:
+                 tenant: str | None = None, cache_salt: str | None = None,
+                 lora_name: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -103,6 +107,10 @@ class Request:
         self.itl_slo = itl_slo
         self.tenant = tenant
         self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        # The adapter's id (``lora.LoRARegistry``; ids are never reused), set by the engine:
+        # rows' slots, the scheduler's --max-loras cap, the prefix-cache hash. 0: base.
+        self.lora_id = 0
         self.shed_reason: str | None = None  # why load shedding rejected it
         self.shed_retry_after: float | None = None  # seconds a retry should wait; None: 1 s
         self.output_token_ids: list[int] = []

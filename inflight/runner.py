@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from inflight.model import kv_quant
 from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
+from inflight.model.lora import LORA_STEP, Adapter, LoRASlots, LoRAStep
 from inflight.model.pooler import pool_rows
 from inflight.profiling import NULL_TIMER
 from inflight.request import Request
@@ -74,6 +76,16 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, kv_cache_dtype, self.device)
                           for _ in range(c.num_hidden_layers)]
         self.step_timer = NULL_TIMER  # the engine hands in its own
+        self.lora_slots: LoRASlots | None = None
+        self._lora_adapter: Callable[[int], Adapter] | None = None
+
+    def enable_lora(self, max_loras: int, max_rank: int,
+                    adapter: Callable[[int], Adapter]) -> None:
+        """Give every decoder linear layer ``max_loras`` adapter slots of rank
+        ``max_rank`` (``model.lora.LoRASlots``); ``adapter(id)`` returns the adapter of a
+        request's ``lora_id`` when a step needs it in a slot."""
+        self.lora_slots = LoRASlots(self.model, max_loras, max_rank)
+        self._lora_adapter = adapter
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's per-request state (its sampler generator)."""
@@ -123,8 +135,13 @@ class ModelRunner:
             index = torch.tensor(rows, device=self.device) if rows else None
             # the sampled rows of generated tokens lead the LM head's rows too
             generated_samples = sum(1 + s.num_draft_tokens for s in decodes if s.samples)
+            lora = self._lora_step(decodes + prefills)
         with timer.section("forward"):
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            token = LORA_STEP.set(lora)
+            try:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            finally:
+                LORA_STEP.reset(token)
             for s, first_row in prompt_rows:
                 self._record_prompt_logprobs(hidden, s, first_row)
             for s, first_row in pooled_rows:
@@ -134,6 +151,13 @@ class ModelRunner:
             return (self.model.compute_logits(hidden.index_select(0, index),
                                               generated_rows=generated_samples),
                     requests, drafts)
+
+    def _lora_step(self, scheduled: list[ScheduledRequest]) -> LoRAStep | None:
+        """The step's adapter rows (None without LoRA or without an adapter row)."""
+        if self.lora_slots is None or self._lora_adapter is None:
+            return None
+        row_ids = [s.request.lora_id for s in scheduled for _ in range(s.num_scheduled_tokens)]
+        return self.lora_slots.step(row_ids, self._lora_adapter)
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, s: ScheduledRequest,
                                 first_row: int) -> None:

@@ -73,6 +73,7 @@ class RequestRecord:
     # Sent again because its connection failed before the status line (at most 1; its times
     # are the retry's): not a failure, counted in the summary (stats.summarize).
     connection_retries: int = 0
+    model: str | None = None  # the model name sent: a LoRA adapter's with --lora-modules
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

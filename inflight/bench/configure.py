@@ -11,6 +11,7 @@ from typing import Any
 from inflight.bench.datasets import DatasetConfig
 from inflight.bench.knob_flags import parse_knob
 from inflight.bench.limit import SearchSpace
+from inflight.bench.lora_modules import LoraModules, parse_lora_modules, server_flags
 from inflight.bench.run_config import BenchConfig, OutputOptions, ServerOptions
 from inflight.bench.session import ArrivalConfig, LoadConfig
 from inflight.bench.simulation import SimulateOptions
@@ -32,7 +33,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     resolved = resolve_vllm_args(_spelled(args))
     load = _load(args, resolved, command)
     _check_simulate(args)
-    dataset = _dataset(args, resolved)
+    lora = _lora(args)
+    dataset = _dataset(args, resolved, lora)
     _check_arrival(args, resolved)
     slo = merge_goodput(parse_slo(args.slo), args.goodput)
     arrival = _arrival(args, resolved, command, slo)
@@ -44,7 +46,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         if command == "tune":
             knobs = tuple((name, tuple(values)) for name, values in map(parse_knob, args.knob))
     return BenchConfig(command=command, load=load, dataset=dataset, arrival=arrival, slo=slo,
-                       thresholds=_thresholds(args), output=_output(args), server=_server(args),
+                       thresholds=_thresholds(args), output=_output(args), server=_server(args, lora),
                        simulate=(SimulateOptions(args.simulate, args.replicas, args.router)
                                  if args.simulate else None),
                        space=space, request_rates=tuple(getattr(args, "request_rates", None) or ()),
@@ -92,7 +94,19 @@ def _check_simulate(args: argparse.Namespace) -> None:
                          "(a real run measures the server at --base-url as it is)")
 
 
-def _dataset(args: argparse.Namespace, r: Resolved) -> DatasetConfig:
+def _lora(args: argparse.Namespace) -> LoraModules:
+    """``--lora-modules``, parsed; ValueError where adapter paths have no server to go to,
+    or the server command names its own adapters too."""
+    lora = parse_lora_modules(getattr(args, "lora_modules", None))
+    if lora.paths and not args.serve_cmd and not args.simulate:
+        raise ValueError("--lora-modules NAME=PATH loads the adapters into the server bench starts (--serve-cmd); "
+                         "for a server already running give the names it serves them under: --lora-modules NAME ...")
+    if lora.paths and args.serve_cmd:
+        server_flags(lora, args.serve_cmd)
+    return lora
+
+
+def _dataset(args: argparse.Namespace, r: Resolved, lora: LoraModules) -> DatasetConfig:
     if args.shuffle and r.arrival == "trace":
         raise ValueError("--shuffle would scramble the trace's arrival times; it needs a rate (--arrival poisson ...)")
     shuffle = args.shuffle if args.shuffle is not None else (r.dataset == "trace" and r.arrival != "trace")
@@ -104,7 +118,7 @@ def _dataset(args: argparse.Namespace, r: Resolved) -> DatasetConfig:
                             min_input_len=args.min_input_len, max_input_len=args.max_input_len,
                             min_output_len=args.min_output_len, max_output_len=args.max_output_len,
                             prefix_blocks=args.prefix_blocks, chat_file=r.chat_file, sonnet_file=r.sonnet_file,
-                            ignore_eos=args.ignore_eos, shuffle=shuffle,
+                            ignore_eos=args.ignore_eos, shuffle=shuffle, lora_modules=lora.names,
                             conversation_turns=args.conversation_turns,
                             active_conversations=args.active_conversations or DatasetConfig.active_conversations)
     if args.conversation_turns > 1 and r.dataset != "chat":
@@ -180,8 +194,8 @@ def _output(args: argparse.Namespace) -> OutputOptions:
                          report=getattr(args, "report", None))
 
 
-def _server(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(serve_cmd=args.serve_cmd, values=tuple(getattr(args, "values", None) or ()),
+def _server(args: argparse.Namespace, lora: LoraModules) -> ServerOptions:
+    return ServerOptions(serve_cmd=args.serve_cmd, lora=lora, values=tuple(getattr(args, "values", None) or ()),
                          start_timeout=args.server_start_timeout, stop_timeout=args.server_stop_timeout,
                          log_dir=args.server_log_dir, on_busy_host=getattr(args, "on_busy_host", "warn"),
                          calibrate=bool(getattr(args, "calibrate", False)))

@@ -54,13 +54,15 @@ def header(config: BenchConfig, kind: str) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def started_server(config: BenchConfig, command: str, name: object = None) -> AsyncIterator[ServerProcess]:
-    """Start ``command`` as the server under test; stop it on exit, however the block ends."""
+    """Start ``command`` (with ``--lora-modules``' server flags: ``ServerOptions.launch_command``)
+    as the server under test; stop it on exit, however the block ends."""
     server = config.server
     log = None
     if server.log_dir:
         os.makedirs(server.log_dir, exist_ok=True)
         log = os.path.join(server.log_dir, f"server-{safe_name(name)}.log")
-    proc = ServerProcess(command, config.load.base_url, server.start_timeout, server.stop_timeout, log)
+    proc = ServerProcess(server.launch_command(command), config.load.base_url, server.start_timeout,
+                         server.stop_timeout, log)
     print(f"starting: {proc.command}", file=sys.stderr)
     async with proc:
         yield proc

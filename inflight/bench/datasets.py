@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from inflight.bench.lora_modules import assign_adapters
 from inflight.bench.prompts import FittedPrompt, TokenCounter, fit_prompt
 from inflight.bench.trace_files import TraceRow, load_trace, scale_length
 
@@ -66,6 +67,7 @@ class RequestSpec:
     trace_time: float | None = None  # seconds since the first trace row, unscaled
     exact: bool = False  # prompt_len is the server's exact count
     meta: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None  # the LoRA adapter it names (--lora-modules); None: the session's model
 
     def as_messages(self) -> list[dict[str, Any]]:
         return self.messages or [{"role": "user", "content": self.prompt or ""}]
@@ -103,6 +105,7 @@ class DatasetConfig:
     sonnet_file: str | None = None  # sonnet: the text file (default vllm_sonnet.txt in the data dir)
     ignore_eos: bool | None = None  # None: True except for chat
     shuffle: bool = False  # trace: rows in a seeded random order (a rate replays lengths, not times)
+    lora_modules: tuple[str, ...] = ()  # adapters the requests pick from, seeded (lora_modules.assign_adapters)
 
     def resolved_data_dir(self) -> pathlib.Path:
         return pathlib.Path(self.data_dir) if self.data_dir else default_data_dir()
@@ -111,6 +114,7 @@ class DatasetConfig:
         d = asdict(self)
         d["data_dir"] = str(self.resolved_data_dir())
         d["ignore_eos"] = self.effective_ignore_eos()
+        d["lora_modules"] = list(self.lora_modules)
         if self.name == "trace":
             d["trace_file"] = str(self.trace_path())
         return d
@@ -343,10 +347,13 @@ async def build_dataset(cfg: DatasetConfig, counter: TokenCounter, n: int | None
     """``n`` (default ``cfg.num_prompts``) request specs of the configured dataset: items
     ``start .. start + n - 1`` of its stream, so a mix can be extended without rebuilding it
     (trace rows continue; random and sonnet draw the extension from their own seeded stream
-    behind the same shared prefix; chat keeps cycling its questions)."""
+    behind the same shared prefix; chat keeps cycling its questions), each naming one of
+    ``cfg.lora_modules`` where there are some."""
     if cfg.name not in BUILDERS:
         raise ValueError(f"unknown dataset {cfg.name!r} ({', '.join(BUILDERS)})")
-    return await BUILDERS[cfg.name](cfg, counter, cfg.num_prompts if n is None else n, start)
+    specs = await BUILDERS[cfg.name](cfg, counter, cfg.num_prompts if n is None else n, start)
+    assign_adapters(specs, cfg.lora_modules, cfg.seed, start)
+    return specs
 
 
 def trace_length(cfg: DatasetConfig) -> int | None:

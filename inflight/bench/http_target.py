@@ -39,7 +39,9 @@ class HttpTarget:
         return None
 
     def banner(self, session: Session) -> str:
-        return (f"model {session.model} at {session.load.base_url} ({session.endpoint}); "
+        lora = session.dataset.lora_modules
+        adapters = f", LoRA adapters {', '.join(lora)}" if lora else ""
+        return (f"model {session.model}{adapters} at {session.load.base_url} ({session.endpoint}); "
                 f"{len(session.specs)} requests prepared in {session.prepare_seconds:.1f} s "
                 f"(tokenizer: {session.tokenizer_mode})")
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from inflight.bench.datasets import DatasetConfig
 from inflight.bench.limit import SearchSpace
+from inflight.bench.lora_modules import LoraModules, with_server_flags
 from inflight.bench.session import ArrivalConfig, LoadConfig
 from inflight.bench.simulation import SearchPlan, SimulateOptions
 from inflight.bench.summary import SLO
@@ -36,10 +37,12 @@ class OutputOptions:
 @dataclass(frozen=True)
 class ServerOptions:
     """The server under test, when bench starts it: ``--serve-cmd`` (a template with
-    ``{value}`` and ``--values`` for sweep and capacity), its start and stop timeouts (s),
-    where its output goes, and the host checks."""
+    ``{value}`` and ``--values`` for sweep and capacity), the LoRA adapters it loads
+    (``--lora-modules NAME=PATH``), its start and stop timeouts (s), where its output goes,
+    and the host checks."""
 
     serve_cmd: str | None = None
+    lora: LoraModules = LoraModules()
     values: tuple[str, ...] = ()
     start_timeout: float = 600.0
     stop_timeout: float = 15.0
@@ -61,6 +64,13 @@ class ServerOptions:
     def command(self, value: str | None) -> str | None:
         """``serve_cmd`` for knob ``value``; None without one."""
         return self.serve_cmd.replace("{value}", str(value)) if self.serve_cmd else None
+
+    def launch_command(self, command: str) -> str:
+        """What is run to start the server of ``command`` (one of :meth:`command`'s, or one
+        tune or calibration derived from it): ``command`` with the LoRA flags of ``lora``
+        added (``lora_modules.server_flags``). The simulator reads ``command`` itself: adapters do
+        not change its engine."""
+        return with_server_flags(self.lora, command)
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,13 @@ async def server_models(client: aiohttp.ClientSession, base_url: str, headers: d
 
 async def send_request(session: Session, spec: RequestSpec, record: RequestRecord,
                        clock: Callable[[], float]) -> RequestRecord:
-    """Stream ``spec`` to the server, filling ``record`` (times from ``clock``, in s)."""
+    """Stream ``spec`` to the server, filling ``record`` (times from ``clock``, in s). The
+    body names the spec's LoRA adapter where it has one (``--lora-modules``), else the
+    session's model."""
     url = session.load.base_url.rstrip("/") + endpoint_path(session.endpoint)
-    payload = build_payload(spec, session.endpoint, session.model, session.load.temperature,
-                            session.load.extra_body)
-    record.prompt_len, record.output_len = spec.prompt_len, spec.output_len
+    model = spec.model or session.model
+    payload = build_payload(spec, session.endpoint, model, session.load.temperature, session.load.extra_body)
+    record.prompt_len, record.output_len, record.model = spec.prompt_len, spec.output_len, model
     await stream_request(http_client(session), url, payload, record, session.headers,
                          session.load.request_timeout, clock)
     if record.connection_retries:

@@ -18,6 +18,7 @@ import aiohttp
 from inflight.bench.client import RequestRecord, auth_headers
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs, trace_length
 from inflight.bench.looks import look_summary
+from inflight.bench.lora_modules import adapter_counts
 from inflight.bench.metrics_scrape import Snapshot, counter_deltas
 from inflight.bench.prompts import TokenCounter
 from inflight.bench.summary import SLO
@@ -154,6 +155,8 @@ class Session:
             "skipped": list(self.skipped),
             "temperature": self.load.temperature,
             "extra_body": self.load.extra_body,
+            # Requests of the mix per LoRA adapter (--lora-modules); None: all for the model.
+            "lora_modules": adapter_counts(self.specs),
             "length_samples": {"prompt_len": [s.prompt_len for s in self.specs],
                                "max_tokens": [s.output_len for s in self.specs]},
             "cache_state": {"warmup_requests": len(self.warmups),

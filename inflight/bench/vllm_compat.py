@@ -12,6 +12,8 @@ sub-command by :func:`add_vllm_args` and folded into inflight's own settings by
   others are refused with the reason; ``--dataset-path`` is the data file;
 - ``--goodput ttft:MS tpot:MS e2el:MS`` adds per-request targets (milliseconds) to the goodput;
 - ``--top-p`` ... ``--repetition-penalty`` go into the request body;
+- ``--lora-modules`` spreads the requests over LoRA adapters (``lora_modules``; ``NAME=PATH``, the
+  server's form, also loads them into a server bench starts);
 - ``--save-result`` without a file, ``--result-dir``, ``--result-filename`` and ``--label``
   name the result file as vLLM does (``vllm_result``, which also computes vLLM's result keys).
 """
@@ -85,6 +87,10 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                         "the lengths it leaves unset take vLLM's defaults")
     g.add_argument("--dataset-path", default=None, metavar="PATH",
                    help="the data file: sonnet text, custom/chat JSONL, or trace")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME[=PATH]",
+                   help="LoRA adapters: each request names one, chosen at random (seeded by --seed), as its "
+                        "model; NAME=PATH also loads them into the server --serve-cmd starts (--enable-lora "
+                        "--lora-modules NAME=PATH ... --max-loras N); bare names for a server already serving them")
     g.add_argument("--custom-output-len", type=int, default=None, help="custom: max_tokens (vLLM's default 256)")
     g.add_argument("--skip-chat-template", action="store_true",
                    help="custom: send the raw prompt to /v1/completions instead of chat")

@@ -48,6 +48,7 @@ from inflight.engine.engine_client import StepListener
 from inflight.engine.request_rules import RequestRules
 from inflight.engine.stream import RequestStream
 from inflight.errors import EngineDeadError, EngineError, InvalidRequestError, RequestFailedError
+from inflight.lora.lora_config import LoRAModule
 from inflight.request import RequestOptions
 from inflight.routing import least_loaded, make_router
 from inflight.sampling_params import SamplingParams
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 # How long replicas may take to load their engines at start (model load, kernels).
 READY_TIMEOUT_S = 300.0
+_NO_RUNTIME_LORA = ("runtime LoRA loading is not supported with --data-parallel-size > 1: "
+                    "give the adapters with --lora-modules at start")
 
 
 class ClusterEngine(ReplicaWatchers):
@@ -374,3 +377,18 @@ class ClusterEngine(ReplicaWatchers):
         for r in live:
             self._router_forget(r.index)  # what it was sent is no longer cached there
         return dropped
+
+    # --- LoRA adapters ---------------------------------------------------------------------
+    def lora_modules(self) -> list[LoRAModule]:
+        """The ``--lora-modules`` every replica loaded at start, in order (no runtime loads)."""
+        lora = self._config.lora_config
+        return [] if lora is None else list(lora.lora_modules)
+
+    async def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> int:
+        """Refused: a runtime load would have to reach every replica, and one Ray restarts
+        would come back without it. Raises ``InvalidRequestError`` (400)."""
+        raise InvalidRequestError(_NO_RUNTIME_LORA)
+
+    async def remove_lora(self, name: str) -> bool:
+        """Refused, as ``add_lora``."""
+        raise InvalidRequestError(_NO_RUNTIME_LORA)

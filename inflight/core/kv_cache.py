@@ -26,10 +26,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _salt_root(salt: str) -> bytes:
-    """The first block's parent for ``salt``: a digest, so no salt can pose as another
-    chain's parent hash (that would need a BLAKE2b preimage)."""
-    return hashlib.blake2b(b"inflight cache_salt\0" + salt.encode(), digest_size=16).digest()
+def _chain_root(request: Request) -> bytes:
+    """The first block's parent: b"" for the base model without a salt, else a digest of
+    the salt and the LoRA adapter's id (an adapter changes every key and value), so no
+    chain can pose as another's parent hash (that would need a BLAKE2b preimage)."""
+    if not request.cache_salt and not request.lora_id:
+        return b""
+    salt = (request.cache_salt or "").encode()
+    return hashlib.blake2b(b"inflight cache_salt\0" + salt + b"\0lora\0"
+                           + str(request.lora_id).encode(), digest_size=16).digest()
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
@@ -89,7 +94,7 @@ class KVCacheManager:
         bs = self.block_size
         # A salt makes the first block's parent, so every block's hash, its own (vLLM's
         # cache_salt): requests with different salts never share a cached block.
-        root = _salt_root(request.cache_salt) if request.cache_salt else b""
+        root = _chain_root(request)
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else root,

@@ -11,15 +11,15 @@ are shed (``core.shedding``):
      the pool lacks a block, the newest running request is preempted (blocks freed, back
      to the head of the waiting queue, recomputed later) until the allocation fits.
   2. Waiting requests join, in order, while the batching policy allows, budget and
-     ``max_num_seqs`` remain and their KV blocks fit.
+     ``max_num_seqs`` remain, their KV blocks fit and ``max_loras`` allows their adapter
+     (``core.adapter_cap``).
 
 With ``speculative_config``, a decoding request's drafts (``Request.spec_token_ids``) join
 its one token in step 1 when ``core.speculation`` allows: they take budget and KV slots like
 any token; ``update`` keeps the accepted ones' positions and frees the rest's blocks.
 
-After the runner sampled, ``update`` appends each token (``max_tokens`` 0: none, the request
-ends with its prefill) and applies the token-level stops (``core.stopping``), freeing a
-finished request's blocks at once; the output processor checks stop strings (text).
+After the runner sampled, ``update`` appends each token (``max_tokens`` 0: none) and applies
+the token-level stops (``core.stopping``), freeing a finished request's blocks at once.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from inflight.core.adapter_cap import AdapterCap
 from inflight.core.kv_cache import KVCacheManager
 from inflight.core.overload import OverloadShedder, capped_step_budget
 from inflight.core.output import SampleResult, ScheduledRequest, SchedulerOutput
@@ -49,10 +50,10 @@ class Scheduler:
     Args:
         config: the engine's knobs (budget, ``max_num_seqs``, policies, ...).
         kv_cache: the block manager requests are admitted against.
-        max_model_len: the model's context length, used when ``config.max_model_len`` is
-            None; None: the pool's size.
+        max_model_len: the model's length when ``config.max_model_len`` is None; None: the pool's.
         clock: seconds, the clock of arrival times and every stamp (``time.monotonic``;
             the simulator passes its virtual clock).
+        max_loras: the most LoRA adapters running at once (0: no adapters).
 
     Attributes:
         max_model_len: longest sequence, prompt plus output tokens.
@@ -60,16 +61,15 @@ class Scheduler:
             lone request always fits.
         num_preemptions, num_prompt_tokens, num_generation_tokens: since start; prompt
             tokens count recomputation after preemption.
-        num_recomputed_tokens: since start, tokens a preempted request computed again:
-            those it had computed before its preemption and scheduled anew after it, less
-            the ones it got back from the prefix cache (those are neither recomputed nor
-            prefix-cache hits, see ``KVCacheManager.record_lookup``).
+        num_recomputed_tokens: since start, tokens a preempted request computed again
+            (less those the prefix cache gave back: ``KVCacheManager.record_lookup``).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  max_model_len: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_loras: int = 0) -> None:
         self.config = config
+        self.max_loras = max_loras
         self.clock = clock
         self.kv_cache = kv_cache
         self.prompt_fit = PromptFit.for_pool(config, kv_cache.num_blocks * kv_cache.block_size,
@@ -126,9 +126,8 @@ class Scheduler:
         request.finished_time = self.clock()
 
     def stop_request(self, request: Request, stop_reason: str) -> None:
-        """A stop string matched (the output processor's check): end ``request`` as
-        stopped. One this step ended for length is relabelled (the stop string wins); one
-        already stopped (EOS, a stop token: checked first) or aborted stays as it is."""
+        """A stop string matched: end ``request`` as stopped (a length finish this step is
+        relabelled; a stop by EOS or stop token, checked first, or an abort stays)."""
         if request.status == RequestStatus.FINISHED_LENGTH:
             request.status = RequestStatus.FINISHED_STOPPED
         elif not request.is_finished:
@@ -272,8 +271,9 @@ class Scheduler:
         cfg = self.config
         is_batch_policy = self.batching.forms_batches
         launching = False
+        cap = AdapterCap(self.max_loras, self.running)
         for req in self.policy.waiting_order(self.waiting, now):
-            if served is not None and not served(req):
+            if (served is not None and not served(req)) or not cap.admits(req):
                 continue
             if len(self.running) >= cfg.max_num_seqs:
                 break

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from inflight.config import EngineConfig
@@ -268,14 +268,39 @@ class AsyncEngine(EngineThread):
         Raises:
             EngineDeadError: the engine loop is not running.
         """
+        result: int = await self._call(self.engine.reset_prefix_cache)
+        return result
+
+    async def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> int:
+        """Load a LoRA adapter (``Engine.add_lora``) between steps; its id. The files are
+        read on the engine thread: a load pauses generation for that long.
+
+        Raises:
+            EngineDeadError: the engine loop is not running. ValueError
+                (``InvalidRequestError``, ``LoRAError``): as ``Engine.add_lora``.
+        """
+        result: int = await self._call(lambda: self.engine.add_lora(name, path, base_model_name))
+        return result
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unload a LoRA adapter between steps (``Engine.remove_lora``)."""
+        result: bool = await self._call(lambda: self.engine.remove_lora(name))
+        return result
+
+    def lora_modules(self) -> list[Any]:
+        """The adapters served now (``lora.lora_config.LoRAModule``: name, path,
+        base_model_name), in load order; empty with LoRA off."""
+        lora = self.engine.lora
+        return [] if lora is None else lora.registry.modules()
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[int] = loop.create_future()
-        self._commands.put(Call(self.engine.reset_prefix_cache, loop, done))
+        done: asyncio.Future[Any] = loop.create_future()
+        self._commands.put(Call(fn, loop, done))
         self._wake.set()
-        result: int = await done
-        return result
+        return await done
 
     def abort_all(self) -> None:
         """Abort every request in flight (shutdown's grace period ran out)."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inflight.config import EngineConfig
 from inflight.core.kv_cache import KVCacheManager
 from inflight.core.output import Runner, SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.engine.inputs import tokenize_prompt
+from inflight.errors import InvalidRequestError
 from inflight.engine.output_processor import OutputProcessor
 from inflight.engine.request_rules import RequestRules
 from inflight.engine.stats import EngineStats, spec_decode_fields
@@ -27,6 +28,9 @@ from inflight.request import Request, RequestOptions, RequestStatus
 from inflight.sampling_params import SamplingParams
 from inflight.spec_decode import make_proposer
 from inflight.structured_output import GrammarState, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from inflight.engine.lora_manager import EngineLoRA
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +71,14 @@ class Engine:
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size,
                                        config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache, max_model_len, clock)
+        lora = config.lora_config
+        self.scheduler = Scheduler(config, self.kv_cache, max_model_len, clock,
+                                   max_loras=0 if lora is None else lora.max_loras)
+        self.lora: EngineLoRA | None = None
+        if lora is not None:  # imported here: the adapters need torch, the engine does not
+            from inflight.engine.lora_manager import EngineLoRA
+
+            self.lora = EngineLoRA(lora, runner)
         spec = config.speculative_config
         # Drafts for the next step (speculative decoding); the scheduler's ``speculation``
         # decides for whom and how many.
@@ -127,9 +138,15 @@ class Engine:
         if params.structured_outputs is not None:
             grammar = self.compile_grammar(params.structured_outputs)
         arrival = self.clock() if arrival_time is None else arrival_time
+        options = options or _NO_OPTIONS
+        if options.lora_name is not None and self.lora is None:
+            raise InvalidRequestError(f"model: {options.lora_name!r} is a LoRA adapter and "
+                                      "this engine serves none (start it with --enable-lora)")
+        lora_id = 0 if self.lora is None else self.lora.id_for(options.lora_name)
         for req in self.output_processor.add_request(
                 request_id, text, ids, params, stream=stream, arrival_time=arrival,
-                eos_token_ids=self.eos_token_ids, options=options or _NO_OPTIONS):
+                eos_token_ids=self.eos_token_ids, options=options):
+            req.lora_id = lora_id
             if grammar is not None:
                 req.grammar = GrammarState(grammar)  # one matcher per sequence of n
             self.scheduler.add_request(req)
@@ -167,6 +184,22 @@ class Engine:
         """Drop every cached KV block no request holds; returns how many were dropped."""
         return self.kv_cache.reset_prefix_cache()
 
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> int:
+        """Load the LoRA adapter at ``path`` (a PEFT directory) as ``name``; its id.
+
+        Raises:
+            InvalidRequestError: LoRA is off. LoRAError (a ``ValueError``): ``name`` is
+                taken, or the adapter cannot be served (the message says why).
+        """
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with --enable-lora")
+        return self.lora.add(name, path, base_model_name)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload adapter ``name`` (False: none by that name); new requests for it are
+        refused, requests already using it finish with it."""
+        return self.lora is not None and self.lora.remove(name, self._in_flight())
+
     def get_stats(self) -> EngineStats:
         """Counters since start and gauges now; prefix-cache counters leave readmissions
         after preemption out, recomputation has ``num_recomputed_tokens``; speculative
@@ -178,6 +211,7 @@ class Engine:
             generation_tokens=s.num_generation_tokens, num_steps=self._num_steps,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_recomputed_tokens=s.num_recomputed_tokens,
+            **({} if self.lora is None else self.lora.stats_fields(s.running, s.waiting)),
             **spec_decode_fields(None if s.speculation is None else s.speculation.stats))
 
     # --- the step -----------------------------------------------------------------------
@@ -250,3 +284,8 @@ class Engine:
         for req in requests:
             for release in releases:
                 release(req.request_id)
+        if self.lora is not None:
+            self.lora.forget_unused(self._in_flight())
+
+    def _in_flight(self) -> list[Request]:
+        return self.scheduler.running + list(self.scheduler.waiting)

@@ -23,6 +23,7 @@ from inflight.engine.admission import Reservation
 from inflight.engine.stats import EngineStats
 from inflight.engine.stream import RequestStream
 from inflight.errors import EngineError
+from inflight.lora.lora_config import LoRAModule
 from inflight.outputs import RequestOutput
 from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
@@ -138,6 +139,24 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> int:
         """Drop idle cached KV blocks; how many. ``EngineDeadError`` when not running."""
+        ...
+
+    # --- LoRA adapters (--enable-lora) ---------------------------------------------------------
+    def lora_modules(self) -> list[LoRAModule]:
+        """The LoRA adapters served now (name, path, base model), in load order; empty
+        with LoRA off. Cheap: the routes read it for each request's ``model``."""
+        ...
+
+    async def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> int:
+        """Load the PEFT adapter at ``path`` as ``name`` (vLLM's ``/v1/load_lora_adapter``);
+        its id. Raises ``LoRAError`` (a ``ValueError``: a bad adapter or a taken name),
+        ``InvalidRequestError`` (LoRA off, or this client cannot load at runtime),
+        ``EngineDeadError``."""
+        ...
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unload adapter ``name`` (requests in flight on it finish); False: not loaded.
+        Raises as ``add_lora``."""
         ...
 
     # --- lifecycle ------------------------------------------------------------------------------

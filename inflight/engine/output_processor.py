@@ -139,7 +139,7 @@ class OutputProcessor:
             req = Request(seq_id, prompt_token_ids, seq_params, arrival_time, eos_token_ids,
                           priority=options.priority, ttft_slo=options.ttft_slo,
                           itl_slo=options.itl_slo, tenant=options.tenant,
-                          cache_salt=options.cache_salt)
+                          cache_salt=options.cache_salt, lora_name=options.lora_name)
             seq = _Sequence(req, i, self._make_detokenizer(req), group)
             group.seqs.append(seq)
             self._seqs[seq_id] = seq

@@ -35,6 +35,9 @@ class EngineStats:
             draft tokens verified, draft tokens accepted; 0 with speculation off.
         spec_decode_num_accepted_tokens_per_pos: ``[k]``, drafts accepted at position
             0..k-1 of their verification; empty exactly when speculation is off.
+        running_lora_adapters, waiting_lora_adapters: names of the LoRA adapters of
+            running / waiting requests, sorted; max_lora: ``--max-loras`` (0: LoRA off)
+            (vLLM's ``lora_requests_info`` labels).
     """
 
     num_running: int
@@ -51,6 +54,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 def spec_decode_fields(spec: SpecDecodeStats | None) -> dict[str, Any]:
@@ -73,7 +79,8 @@ def _add_positions(a: Sequence[int], b: Sequence[int], sign: int = 1) -> list[in
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
     """Every field summed over ``stats`` (replicas of a data-parallel server), the
     per-position counters elementwise; ``kv_cache_usage`` summed too (a caller wanting the
-    mean divides). Raises ``ValueError`` on an empty sequence."""
+    mean divides); LoRA adapter names the union, ``max_lora`` the largest. Raises
+    ``ValueError`` on an empty sequence."""
     if not stats:
         raise ValueError("sum_stats: no stats")
     total: dict[str, Any] = {}
@@ -84,6 +91,10 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
             for v in values:
                 acc = _add_positions(acc, v)
             total[f.name] = acc
+        elif isinstance(values[0], tuple):  # adapter names: those of any replica
+            total[f.name] = tuple(sorted(set().union(*values)))
+        elif f.name == "max_lora":  # every replica's own cap, the same flag
+            total[f.name] = max(values)
         else:
             total[f.name] = sum(values)
     return EngineStats(**total)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 from inflight.config import EngineConfig
 from inflight.engine import Engine
 from inflight.outputs import RequestOutput
+from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,7 +41,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_name: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate completions for ``prompts``.
 
         Args:
@@ -48,6 +50,8 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default greedy-free
                 ``SamplingParams()``: temperature 1, 16 tokens, as vLLM).
             use_tqdm: show a progress bar.
+            lora_name: the LoRA adapter (a name of ``lora_config.lora_modules``) for all
+                prompts or one per prompt (None: the base model); vLLM's ``lora_request``.
 
         Returns:
             One ``RequestOutput`` per prompt, in input order.
@@ -63,11 +67,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        names = (list(lora_name) if lora_name is not None and not isinstance(lora_name, str)
+                 else [lora_name] * len(prompts))
+        if len(names) != len(prompts):
+            raise ValueError(f"lora_name: {len(names)} given for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, name in zip(prompts, params, names):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, options=RequestOptions(lora_name=name))
                 ids.append(rid)
         except Exception:
             for rid in ids:

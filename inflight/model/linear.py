@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.kernels import quant_linear, skinny_linear, skinny_max_rows
+from inflight.model.lora import LORA_STEP, add_lora
 from inflight.model.quant import QuantizedWeight
 
 
@@ -60,6 +61,9 @@ class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not foll
 
     packed: torch.Tensor | None = None
     quant: QuantizedWeight | None = None
+    # LoRA slots (``model.lora.LoRASlots``), added to the step's adapter rows.
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
 
     def prepack(self) -> None:
         if _can_prepack(self.weight.device, self.weight.dtype):
@@ -69,6 +73,14 @@ class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not foll
                 self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        if self.lora_a is not None and self.lora_b is not None:
+            step = LORA_STEP.get()
+            if step is not None:
+                y = add_lora(x, y, self.lora_a, self.lora_b, step)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         rows = GENERATED_ROWS.get()
         if x.dim() != 2 or rows <= 0:
             return self._gemm(x)

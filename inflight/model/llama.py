@@ -27,6 +27,7 @@ from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decod
 from inflight.model.kernels.native_lib import onednn_has_amx
 from inflight.model.linear import GENERATED_ROWS, Linear
 from inflight.model.llama_weights import fuse_hf_weights, quantize_fused, set_parameters
+from inflight.model.lora import LORA_STEP
 from inflight.model.quant import QuantizedWeight
 from inflight.model.rope import apply_rope, rope_inv_freq
 
@@ -261,13 +262,15 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         if table is None:
             return False
         c, attn, kv = self.config, self.layers[0].self_attn, kv_caches[0]
+        lora = LORA_STEP.get()
         return decode_layers(
             x, table, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate_size=c.intermediate_size,
             eps=self.layers[0].input_layernorm.eps, cos=cos, sin=sin,
             slot_mapping=meta.slot_mapping, block_tables=meta.decode_block_tables,
             seq_lens=meta.decode_seq_lens, block_size=kv.shape[3], num_blocks=kv.shape[2],
-            scale=attn.scale, kv_fmt=kv_quant.format_code(kv))
+            scale=attn.scale, kv_fmt=kv_quant.format_code(kv),
+            lora=None if lora is None else (lora.row_slots, lora.num_slots, lora.max_rank))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -318,12 +321,15 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
 
 
 def _linear_columns(name: str, m: Linear) -> dict[str, int]:
-    """A linear layer's four columns of the decode table: the weight (or packed blocks),
-    its format (0 = dense), block scales and Q4_1's minimums (0 where unused)."""
+    """A linear layer's six columns of the decode table: the weight (or packed blocks),
+    its format (0 = dense), block scales and Q4_1's minimums, its LoRA slots' A and B (0
+    where unused)."""
+    lora = {f"{name}_lora_a": 0 if m.lora_a is None else m.lora_a.data_ptr(),
+            f"{name}_lora_b": 0 if m.lora_b is None else m.lora_b.data_ptr()}
     if m.quant is None:
         return {name: m.weight.data_ptr(), f"{name}_fmt": 0, f"{name}_scales": 0,
-                f"{name}_mins": 0}
+                f"{name}_mins": 0, **lora}
     q = m.quant
     return {name: q.qs.data_ptr(), f"{name}_fmt": int(q.fmt),
             f"{name}_scales": q.scales.data_ptr(),
-            f"{name}_mins": 0 if q.mins is None else q.mins.data_ptr()}
+            f"{name}_mins": 0 if q.mins is None else q.mins.data_ptr(), **lora}

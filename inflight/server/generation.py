@@ -23,6 +23,7 @@ from inflight.engine.admission import Reservation
 from inflight.engine.engine_client import EngineClient
 from inflight.engine.stream import RequestStream, merge_outputs
 from inflight.errors import EngineError
+from inflight.lora.lora_config import LoRAModule
 from inflight.outputs import RequestOutput
 from inflight.request import RequestOptions
 from inflight.sampling_params import SamplingParams
@@ -70,17 +71,33 @@ class ServerContext:
         salt = req.cache_salt
         if self.isolate_prefix_cache and name is not None:
             salt = f"tenant={name}" + ("" if salt is None else f"\0{salt}")
-        return replace(req.options(), tenant=name, cache_salt=salt)
+        return replace(req.options(), tenant=name, cache_salt=salt,
+                       lora_name=self.check_model(req.model))
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_model(self, name: str | None) -> None:
-        """404 ``model_not_found`` unless ``name`` is None or a served name."""
-        if name is not None and name not in self.model_names:
-            raise OpenAIError(404, f"The model `{name}` does not exist.", param="model",
-                              code="model_not_found")
+    def lora_modules(self) -> list[LoRAModule]:
+        """The LoRA adapters the engine serves now (runtime loads included); none with
+        LoRA off."""
+        return [] if self.engine.config.lora_config is None else self.engine.lora_modules()
+
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` picks (its ``RequestOptions.lora_name``):
+        None for None or a served name (which wins over an adapter of the same name, as in
+        vLLM), else the adapter's name. Raises 404 ``model_not_found`` for another name."""
+        if name is None or name in self.model_names:
+            return None
+        if any(m.name == name for m in self.lora_modules()):
+            return name
+        raise model_not_found(name)
+
+
+def model_not_found(name: str) -> OpenAIError:
+    """OpenAI's 404 for a ``model`` that is neither a served name nor an adapter."""
+    return OpenAIError(404, f"The model `{name}` does not exist.", param="model",
+                       code="model_not_found")
 
 
 def check_prompt_len(engine: EngineClient, n: int, max_tokens: int | None,
@@ -248,6 +265,13 @@ class Generation:
             s.abort()
         if self.tenant is not None:
             self.tenant.release()
+
+    @property
+    def model_name(self) -> str:
+        """The answer's ``model``: the adapter the call runs with, else the first served
+        name (vLLM's rule)."""
+        lora = self.options.lora_name if self.options is not None else None
+        return lora or self.ctx.model_name
 
     @property
     def num_prompt_tokens(self) -> int:

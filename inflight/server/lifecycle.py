@@ -101,7 +101,7 @@ def run_serve(args: argparse.Namespace, launcher: EngineLauncher | None = None) 
                         max_body_bytes=args.max_request_body_bytes,
                         stats_window_s=args.stats_window, tool_call_parser=args.tool_call_parser,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        max_tokens_default=args.max_tokens_default)
+                        max_tokens_default=args.max_tokens_default, pooling=args.pooling)
         launcher.install(app, client)
         server = _server(app, client, args)
         logger.info("serving %s on http://%s:%d%s (%s)", names[0], args.host, args.port,

@@ -12,13 +12,14 @@ from inflight.engine.engine_client import EngineClient
 from inflight.server import responses as R
 from inflight.server.protocol import MAX_TOKENS_MARK, TOKEN_ID_MARK
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                              "/v1/embeddings"})
 
 # Request fields each scheduling policy acts on; under another policy they are refused
 # (RequestOptions.check_policy) and left out of the document.
 _POLICY_FIELDS = {"priority": ("priority", "fair"), "ttft_slo": ("slo",), "itl_slo": ("slo",)}
 _REQUEST_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeRequest",
-                    "DetokenizeRequest")
+                    "DetokenizeRequest", "EmbeddingRequest")
 
 
 def package_version() -> str:

@@ -123,6 +123,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
+    # vLLM's: a LoRA adapter's base model (its ``--lora-modules`` base_model_name or the
+    # first served name); None for a base model.
+    parent: str | None = None
     max_model_len: int
 
 

@@ -214,7 +214,7 @@ def response_object(gen: Generation, call: ResponsesCall, status: str,
         "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete"
                                else None),
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "model": gen.ctx.model_name, "output": output,
+        "model": gen.model_name, "output": output,
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
         "store": False,
         "temperature": 1.0 if body.temperature is None else body.temperature,

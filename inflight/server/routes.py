@@ -20,8 +20,11 @@ from starlette.types import Receive, Scope, Send
 from inflight.outputs import RequestOutput
 from inflight.server import responses as R
 from inflight.server import serving
+from inflight.server.embeddings_api import EmbeddingList, EmbeddingRequest
+from inflight.server.embeddings_serving import Embedder
 from inflight.server.error_responses import OpenAIError, bad_request
 from inflight.server.generation import Generation, ServerContext, encode
+from inflight.server.lora_routes import model_card, model_cards
 from inflight.server.metrics import ServerMetrics
 from inflight.server.openapi import package_version
 from inflight.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -121,28 +124,22 @@ async def _respond(request: Request, gen: Generation, body: _Body, stream_fn: St
     return JSONResponse(response_fn(gen, body, finals))
 
 
-def v1_router(ctx: ServerContext) -> APIRouter:
-    """OpenAI's API: models, completions, chat completions, responses."""
+def v1_router(ctx: ServerContext, pooling: str = "last") -> APIRouter:
+    """OpenAI's API: models, completions, chat completions, responses, embeddings
+    (``pooling``: ``--pooling``, ``embeddings_serving.Embedder``)."""
     router = APIRouter(prefix="/v1")
 
     @router.get("/models", operation_id="list_models", response_model=None,
                 responses={200: {"model": R.ModelList}, **R.errors(401)})
     async def models() -> dict[str, Any]:
-        """OpenAI's model list: the served names."""
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "inflight",
-             "root": ctx.model_name, "max_model_len": ctx.engine.max_model_len}
-            for name in ctx.model_names]}
+        """OpenAI's model list: the served names, then the LoRA adapters (vLLM's)."""
+        return {"object": "list", "data": model_cards(ctx)}
 
     @router.get("/models/{model_id:path}", operation_id="retrieve_model", response_model=None,
                 responses={200: {"model": R.ModelCard}, **R.errors(401, 404)})
     async def model(model_id: str) -> dict[str, Any]:
-        """OpenAI's model retrieval: one served name, else 404 ``model_not_found``."""
-        ctx.check_model(model_id)
-        return {"id": model_id, "object": "model", "created": int(time.time()),
-                "owned_by": "inflight", "root": ctx.model_name,
-                "max_model_len": ctx.engine.max_model_len}
+        """OpenAI's model retrieval: a served name or adapter, else 404 ``model_not_found``."""
+        return model_card(ctx, model_id)
 
     @router.post("/completions", operation_id="create_completion", response_model=None, responses={
         **R.streamed(R.CompletionResponse, "the completion, or its chunks as events"),
@@ -172,7 +169,23 @@ def v1_router(ctx: ServerContext) -> APIRouter:
         gen = await _prepare(ctx, request, prepare_responses, call)
         return await _respond(request, gen, call, stream_response, response_body)
 
+    _add_embeddings(router, ctx, Embedder(pooling))
     return router
+
+
+def _add_embeddings(router: APIRouter, ctx: ServerContext, embedder: Embedder) -> None:
+    @router.post("/embeddings", operation_id="create_embedding", response_model=None,
+                 responses={200: {"model": EmbeddingList, "description": "one vector per input"},
+                            **R.errors(400, 401, 404, 413, 500, 503)})
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        """OpenAI's embeddings (https://platform.openai.com/docs/api-reference/embeddings):
+        the pooled, L2-normalized final hidden state of each input."""
+        gen = await _prepare(ctx, request, embedder.prepare, body)
+        gen.start()
+        finals = await _unless_disconnect(request, gen, gen.collect())
+        if finals is None:
+            return Response(status_code=499)  # nginx's "client closed request"
+        return JSONResponse(embedder.response(gen, body, finals))
 
 
 def admin_router(ctx: ServerContext) -> APIRouter:

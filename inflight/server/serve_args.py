@@ -10,6 +10,7 @@ from inflight.config import (DEFAULT_MAX_NUM_WAITING, DEFAULT_MAX_STEP_TIME,
                              DEFAULT_OVERLOAD_TTFT, EngineConfig)
 from inflight.engine.watchdog import EXIT_ENGINE_DEAD
 from inflight.server.app import DEFAULT_MAX_BODY_BYTES
+from inflight.server.embeddings_serving import POOLING_CHOICES
 from inflight.server.tenants import add_tenant_args
 from inflight.server.tool_parsers import TOOL_PARSERS
 
@@ -33,6 +34,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tokens a request generates when it sets no max_tokens (chat, or a "
                         "completion with max_tokens null; a completion that leaves it out "
                         "keeps OpenAI's 16); default: what max_model_len leaves, as vLLM")
+    p.add_argument("--pooling", choices=POOLING_CHOICES, default="last",
+                   help="how /v1/embeddings pools a prompt's final hidden states before "
+                        "L2-normalizing: the last token's (vLLM's default for a decoder "
+                        "model) or the mean over every token (default %(default)s)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default %(default)s)")
     p.add_argument("--stats-window", type=float, default=60.0,

@@ -158,7 +158,7 @@ def completion_response(gen: Generation, req: CompletionRequest,
         completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         choices += completion_choices(gen, req, i, out)
     return {"id": gen.request_id, "object": "text_completion", "created": gen.created,
-            "model": gen.ctx.model_name, "choices": choices,
+            "model": gen.model_name, "choices": choices,
             "usage": _usage(gen.num_prompt_tokens, completion_tokens)}
 
 
@@ -188,7 +188,7 @@ async def _sse_stream(gen: Generation, req: CompletionRequest | ChatCompletionRe
     continuous = include_usage and opts is not None and opts.continuous_usage_stats
     completion_tokens = 0
     base = {"id": gen.request_id, "object": obj, "created": gen.created,
-            "model": gen.ctx.model_name}
+            "model": gen.model_name}
 
     def chunk(choices: list[dict[str, Any]]) -> str:
         body = {**base, "choices": choices}
@@ -344,7 +344,7 @@ def chat_response(gen: Generation, req: ChatCompletionRequest,
             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     body = {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
-            "model": gen.ctx.model_name, "choices": choices,
+            "model": gen.model_name, "choices": choices,
             "usage": _usage(gen.num_prompt_tokens, completion_tokens)}
     if req.prompt_logprobs is not None:  # vLLM's: on the response, not on each choice
         body["prompt_logprobs"] = prompt_logprobs(tt, out.prompt_logprobs)

@@ -18,12 +18,13 @@ def test_kernels_h_binds_every_exported_function():
                         "paged_prefill_head_dim", "skinny_linear", "quant_linear",
                         "quant_linear_amx", "rms_norm", "silu_and_mul", "decode_layers",
                         "skinny_max_rows", "quant_linear_vectorized",
-                        "paged_prefill_attention_kv8"}
+                        "paged_prefill_attention_kv8", "lora_add"}
     i, l, f, p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     assert sig["rms_norm"] == (i, [i, p, p, p, l, l, f, l])
     assert sig["silu_and_mul"] == (None, [i, p, p, l, l, l])
     assert sig["paged_prefill_head_dim"] == (l, [])
-    assert len(sig["decode_layers"][1]) == 23
+    assert len(sig["decode_layers"][1]) == 26  # ..., lora_slots, lora_S, lora_R
+    assert sig["lora_add"] == (i, [i, p, p, l, l, l, p, p, l, l, p, l])
     # is_bf16, kv_fmt (0 plain, 1 int8, 2 fp8), k, k_stride, v, v_stride, cache, slots, ...
     assert sig["reshape_and_cache"] == (i, [i, i, p, l, p, l, p, p, l, l, l, l, l])
     assert sig["quant_linear"] == (i, [i, i, p, p, p, p, p, p, l, l, l, l])

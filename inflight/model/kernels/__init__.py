@@ -306,7 +306,7 @@ def silu_and_mul(x: torch.Tensor, num_threads: int | None = None) -> torch.Tenso
 # Columns of decode_layers' per-layer pointer table (decode_layers.c's enum). Each linear
 # layer has four: its weight (dense, or packed blocks), format (0 dense, else
 # quant_linear.c's), block scales and Q4_1's block minimums (0 where unused).
-_LINEAR_COLUMNS = ("", "_fmt", "_scales", "_mins")
+_LINEAR_COLUMNS = ("", "_fmt", "_scales", "_mins", "_lora_a", "_lora_b")
 DECODE_LAYER_COLUMNS = ("input_norm", *("qkv" + c for c in _LINEAR_COLUMNS), "qkv_bias",
                         *("o_proj" + c for c in _LINEAR_COLUMNS), "post_norm",
                         *("gate_up" + c for c in _LINEAR_COLUMNS),
@@ -318,7 +318,8 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
                   cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                   num_blocks: int, scale: float, kv_fmt: int = 0,
-                  num_threads: int | None = None) -> bool:
+                  num_threads: int | None = None,
+                  lora: tuple[torch.Tensor, int, int] | None = None) -> bool:
     """Run every decoder layer over a decode step's 1-2 tokens in one native call
     (``decode_layers.c``), updating ``x`` in place; bit-identical to the per-module path.
 
@@ -333,6 +334,9 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
         slot_mapping ``[M]``, block_tables ``[M, width]``, seq_lens ``[M]``: int64, as for
             ``reshape_and_cache`` and ``paged_decode_attention``.
         kv_fmt: the caches' format (``kv_quant.format_code``: 0 in x's dtype, else 8-bit).
+        lora: the step's LoRA rows (``model.lora``): each row's slot ``[M]`` int64 (-1:
+            none), the slots, the largest rank; the table's ``*_lora_a``/``*_lora_b``
+            columns give each layer's slot tensors. None: no adapter row.
 
     Returns:
         True when done; False when the kernels do not take these shapes or inputs (nothing
@@ -350,7 +354,8 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
         layer_table.shape[0], x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size,
         eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), num_blocks, block_size, scale,
-        thread_count(num_threads), MIN_KEYS_PER_THREAD)
+        thread_count(num_threads), MIN_KEYS_PER_THREAD,
+        None if lora is None else lora[0].data_ptr(), *((0, 0) if lora is None else lora[1:]))
     if rc == -2:
         raise IndexError(f"a KV slot lies outside the cache of {num_blocks * block_size} slots")
     if rc == -3:

@@ -28,20 +28,34 @@
 #include "kernels.h"
 
 /* Columns of `layers`, in the order of DECODE_LAYER_COLUMNS in __init__.py. A linear layer
- * has four: the weight (dense, or quant_linear.c's packed blocks), its format (0: dense),
- * the block scales and Q4_1's block minimums. */
-enum { IN_NORM, QKV, QKV_FMT, QKV_SCALES, QKV_MINS, QKV_BIAS, O_PROJ, O_FMT, O_SCALES,
-       O_MINS, POST_NORM, GATE_UP, GU_FMT, GU_SCALES, GU_MINS, DOWN, DOWN_FMT, DOWN_SCALES,
-       DOWN_MINS, KV_CACHE, LAYER_PTRS };
+ * has six: the weight (dense, or quant_linear.c's packed blocks), its format (0: dense),
+ * the block scales, Q4_1's block minimums, and its LoRA slots' A and B (lora.c; 0: none). */
+enum { IN_NORM, QKV, QKV_FMT, QKV_SCALES, QKV_MINS, QKV_LA, QKV_LB, QKV_BIAS, O_PROJ, O_FMT,
+       O_SCALES, O_MINS, O_LA, O_LB, POST_NORM, GATE_UP, GU_FMT, GU_SCALES, GU_MINS, GU_LA,
+       GU_LB, DOWN, DOWN_FMT, DOWN_SCALES, DOWN_MINS, DOWN_LA, DOWN_LB, KV_CACHE, LAYER_PTRS };
 
-/* The linear layer whose columns start at `col`: skinny_linear or quant_linear. */
+/* A step's LoRA rows (lora.c): each row's slot (NULL: no adapter row), the slots, and the
+ * largest rank; a layer fusing `parts` projections has slots parts * R wide. */
+typedef struct {
+    const int64_t *slots;
+    int64_t S, R;
+} lora_rows;
+
+/* The linear layer whose columns start at `col`: skinny_linear or quant_linear, then its
+ * adapters' products for the step's LoRA rows, as Linear.forward. */
 static int linear(int is_bf16, const int64_t *w, int col, const void *bias, const void *in,
-                  void *out, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+                  void *out, int64_t M, int64_t N, int64_t K, int64_t num_threads,
+                  const lora_rows *lora, int64_t parts) {
     const int64_t fmt = w[col + 1];
+    int rc;
     if (fmt == 0)
-        return skinny_linear(is_bf16, in, (const void *)w[col], bias, out, M, N, K, num_threads);
-    return quant_linear((int)fmt, is_bf16, in, (const void *)w[col], (const void *)w[col + 2],
-                        (const void *)w[col + 3], bias, out, M, N, K, num_threads);
+        rc = skinny_linear(is_bf16, in, (const void *)w[col], bias, out, M, N, K, num_threads);
+    else
+        rc = quant_linear((int)fmt, is_bf16, in, (const void *)w[col], (const void *)w[col + 2],
+                          (const void *)w[col + 3], bias, out, M, N, K, num_threads);
+    if (rc != 0 || lora->slots == NULL || w[col + 4] == 0) return rc;
+    return lora_add(is_bf16, in, out, M, N, K, (const void *)w[col + 4], (const void *)w[col + 5],
+                    lora->S, parts * lora->R, lora->slots, num_threads);
 }
 
 #define MAX_DENSE_ROWS 16 /* skinny_linear's limit; quant_linear has none */
@@ -99,7 +113,9 @@ int decode_layers(int is_bf16, int kv_fmt, void *x, int64_t M, const int64_t *la
                   int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps,
                   const void *cos, const void *sin, const int64_t *slots, const int64_t *tables,
                   int64_t table_width, const int64_t *seq_lens, int64_t num_blocks, int64_t BS,
-                  float scale, int64_t num_threads, int64_t min_keys) {
+                  float scale, int64_t num_threads, int64_t min_keys,
+                  const int64_t *lora_slots, int64_t lora_S, int64_t lora_R) {
+    const lora_rows lora = {lora_slots, lora_S, lora_R};
     /* the limits of skinny_linear (rows), the decode kernel (head size, grouping), rope */
     if (M < 1 || D > 256 || D % 2 || Hkv < 1 || H % Hkv || H / Hkv > 16) return -1;
     for (int64_t l = 0; l < num_layers && M > MAX_DENSE_ROWS; l++) {
@@ -123,7 +139,7 @@ int decode_layers(int is_bf16, int kv_fmt, void *x, int64_t M, const int64_t *la
         void *kv = (void *)w[KV_CACHE];
         rms_norm(is_bf16, x, (const void *)w[IN_NORM], h, M, hidden, eps, num_threads);
         CHECK(linear(is_bf16, w, QKV, (const void *)w[QKV_BIAS], h, qkv, M, qkv_n, hidden,
-                     num_threads), -3);
+                     num_threads, &lora, 3), -3);
         for (int64_t m = 0; m < M; m++) {
             char *row = qkv + m * qkv_n * es;
             rope(is_bf16, row, H + Hkv, D, (const char *)cos + m * D * es,
@@ -135,12 +151,15 @@ int decode_layers(int is_bf16, int kv_fmt, void *x, int64_t M, const int64_t *la
         CHECK(paged_decode_attention(is_bf16, kv_fmt, q, kv, tables, seq_lens, attn, M, H, Hkv, D,
                                      num_blocks, BS, table_width, scale, num_threads, min_keys),
               -3);
-        CHECK(linear(is_bf16, w, O_PROJ, NULL, attn, o, M, hidden, H * D, num_threads), -3);
+        CHECK(linear(is_bf16, w, O_PROJ, NULL, attn, o, M, hidden, H * D, num_threads, &lora, 1),
+              -3);
         add_in_place(is_bf16, x, o, M * hidden);
         rms_norm(is_bf16, x, (const void *)w[POST_NORM], h, M, hidden, eps, num_threads);
-        CHECK(linear(is_bf16, w, GATE_UP, NULL, h, gu, M, 2 * inter, hidden, num_threads), -3);
+        CHECK(linear(is_bf16, w, GATE_UP, NULL, h, gu, M, 2 * inter, hidden, num_threads, &lora,
+                     2), -3);
         silu_and_mul(is_bf16, gu, act, M, inter, num_threads);
-        CHECK(linear(is_bf16, w, DOWN, NULL, act, o, M, hidden, inter, num_threads), -3);
+        CHECK(linear(is_bf16, w, DOWN, NULL, act, o, M, hidden, inter, num_threads, &lora, 1),
+              -3);
         add_in_place(is_bf16, x, o, M * hidden);
     }
 #undef CHECK

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("paged_attention.c", "prefill_attention.c",
                                "prefill_attention_kv8.c", "linear.c", "quant_linear.c",
-                               "rms_norm.c", "activation.c", "decode_layers.c")]
+                               "rms_norm.c", "activation.c", "lora.c", "decode_layers.c")]
 _HEADERS = [_DIR / "bf16.h", _DIR / "fast_exp.h", _DIR / "kernels.h", _DIR / "kv8.h",
             _DIR / "team.h"]
 # Vectorizable float reductions without -ffinite-math-only (the softmax uses -inf).
