@@ -44,16 +44,21 @@ class PromptFit:
 
         Raises:
             InvalidRequestError: with ``param`` ``prompt`` (no room to generate within
-                ``max_model_len``, larger than the KV pool, or past the step budget with
+                ``max_model_len``, or for ``max_tokens`` 0 longer than it; larger than the
+                KV pool, or past the step budget with
                 chunked prefill off) or ``max_tokens`` (prompt + ``max_tokens`` past
                 ``max_model_len``); ``code`` ``context_length_exceeded``.
         """
         n, mml = num_prompt_tokens, self.max_model_len
-        if n >= mml:
+        # A prefill-only request (max_tokens 0: scoring, embeddings) needs no room for a
+        # token: a prompt of exactly max_model_len fits, as in vLLM.
+        extra = 0 if max_tokens == 0 else 1
+        if n + extra > mml:
+            room = "" if extra == 0 else ", which leaves no room to generate"
             raise _refuse(f"This model's maximum context length (max_model_len) is {mml} "
-                          f"tokens. However, your prompt has {n} tokens, which leaves no room "
-                          f"to generate. Please reduce the length of the input.")
-        if n >= self.max_sequence_len:
+                          f"tokens. However, your prompt has {n} tokens{room}. Please reduce "
+                          f"the length of the input.")
+        if n + extra > self.max_sequence_len:
             raise _refuse(f"The prompt ({n} tokens) does not fit in the KV cache "
                           f"({self.max_sequence_len} tokens).")
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:

@@ -133,7 +133,7 @@ class Engine:
         """
         params = sampling_params or SamplingParams()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
-        self.check_prompt_fits(len(ids))
+        self.check_prompt_fits(len(ids), 0 if params.max_tokens == 0 else None)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.compile_grammar(params.structured_outputs)

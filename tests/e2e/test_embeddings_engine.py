@@ -74,3 +74,19 @@ def test_pooling_needs_a_prefill_only_request():
         SamplingParams(pooling="cls", max_tokens=0)
     with pytest.raises(ValueError, match="^n"):
         SamplingParams(pooling="mean", max_tokens=0, n=2)
+
+
+def test_a_prompt_of_the_whole_context_embeds_and_one_more_is_refused(tiny):
+    """A prefill-only request needs no room for a token (vLLM's rule): exactly
+    max_model_len prompt tokens fit; one more is refused, naming the input, not room to
+    generate."""
+    path, hf, tok = tiny
+    llm = LLM(path, num_kv_blocks=64, dtype="float32")
+    mml = llm.engine.max_model_len
+    ids = [(7 * i) % 200 + 50 for i in range(mml)]
+    out = llm.embed([ids], use_tqdm=False)[0]
+    assert len(out.embedding) == 64 and out.prompt_token_ids == ids
+    with pytest.raises(ValueError, match=f"your prompt has {mml + 1} tokens. Please"):
+        llm.embed([ids + [60]], use_tqdm=False)
+    with pytest.raises(ValueError, match="leaves no room to generate"):
+        llm.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)
