@@ -284,7 +284,7 @@ class Engine:
         for req in requests:
             for release in releases:
                 release(req.request_id)
-        if self.lora is not None:
+        if self.lora is not None and self.lora.holds_unloaded:  # rare: skip the scan
             self.lora.forget_unused(self._in_flight())
 
     def _in_flight(self) -> list[Request]:

@@ -79,10 +79,13 @@ class EngineLoRA:
             self._runner.lora_slots.evict(lora_id)
         return True
 
+    @property
+    def holds_unloaded(self) -> bool:
+        """Some unloaded adapter is still kept for requests in flight."""
+        return bool(self._unloaded)
+
     def forget_unused(self, in_flight: Iterable[Request]) -> None:
         """Drop unloaded adapters no request in flight uses any more."""
-        if not self._unloaded:
-            return
         used = {r.lora_id for r in in_flight}
         for lora_id in [i for i in self._unloaded if i not in used]:
             del self._unloaded[lora_id]
