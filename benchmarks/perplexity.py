@@ -116,11 +116,14 @@ def score_prefill(model, chunks: list[list[int]]) -> float:
 
 
 def llama_cpp(binary: str, model: str, text: str, ctx: int, threads: int,
-              logits_file: str) -> float:
+              logits_file: str, cache_type: str = "f16") -> float:
     """llama-perplexity's final estimate; its tokens and log-probabilities are saved to
-    ``logits_file`` (``--kl-divergence-base``)."""
+    ``logits_file`` (``--kl-divergence-base``). ``cache_type`` is its ``-ctk`` / ``-ctv``
+    (``f16``, ``q8_0``, ...); flash attention is on for every type, since llama.cpp needs it
+    for a quantized V cache and the types are compared on one attention path."""
     out = subprocess.run([binary, "-m", model, "-f", text, "-c", str(ctx), "-b", str(ctx),
-                          "-t", str(threads), "--kl-divergence-base", logits_file],
+                          "-t", str(threads), "--kl-divergence-base", logits_file,
+                          "-ctk", cache_type, "-ctv", cache_type, "-fa", "on"],
                          capture_output=True, text=True, timeout=3600)
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     if m is None:
@@ -147,6 +150,30 @@ def read_llama_logits(path: str) -> tuple[list[list[int]], list[list[int]]]:
     return tokens.tolist(), top.tolist()
 
 
+def llama_cache_types(args: argparse.Namespace, path: str):
+    """Runs llama-perplexity once per ``--llama-cache-types`` entry and prints each; returns
+    the first run's (PPL, seconds, chunks of tokens, top-1 per scored position)."""
+    first = None
+    for cache_type in args.llama_cache_types.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            t = time.perf_counter()
+            ppl = llama_cpp(args.llama_perplexity, path, args.text, args.ctx, args.threads,
+                            f"{tmp}/logits.bin", cache_type)
+            seconds = time.perf_counter() - t
+            chunks, top = read_llama_logits(f"{tmp}/logits.bin")
+        line = f"llama.cpp llama-perplexity, KV cache {cache_type}: PPL = {ppl:.4f} ({seconds:.1f} s)"
+        if first is None:
+            first = (cache_type, ppl, seconds, chunks, top)
+        else:
+            same = sum(a == b for r0, r1 in zip(first[4], top) for a, b in zip(r0, r1))
+            total = sum(len(r) for r in top)
+            line += (f"; PPL / {first[0]} = {ppl / first[1]:.4f}, top-1 agreement with "
+                     f"{first[0]} {same}/{total} = {100 * same / total:.2f} %")
+        print(line, flush=True)
+    assert first is not None
+    return first[1], first[2], first[3], first[4]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF (default: the bundled model)")
@@ -160,6 +187,9 @@ def main() -> None:
                         "path; top-1 agreement is reported against the first")
     p.add_argument("--llama-perplexity", default=None, help="also run llama.cpp's on the same "
                    "GGUF and text")
+    p.add_argument("--llama-cache-types", default="f16",
+                   help="comma-separated llama.cpp -ctk/-ctv types (e.g. f16,q8_0); the first "
+                        "run's tokens are scored by inflight, the others compared with it")
     args = p.parse_args()
     from inflight.engine.loading import load
     from inflight.model.gguf_file import read_gguf_metadata
@@ -176,12 +206,7 @@ def main() -> None:
     bos = meta.get("tokenizer.ggml.bos_token_id") if add_bos else None
     llama_ppl = llama_top = None
     if args.llama_perplexity:  # llama.cpp first: its own tokens are then scored by both
-        with tempfile.TemporaryDirectory() as tmp:
-            t = time.perf_counter()
-            llama_ppl = llama_cpp(args.llama_perplexity, path, args.text, args.ctx,
-                                  args.threads, f"{tmp}/logits.bin")
-            seconds = time.perf_counter() - t
-            llama_chunks, llama_top = read_llama_logits(f"{tmp}/logits.bin")
+        llama_ppl, seconds, llama_chunks, llama_top = llama_cache_types(args, path)
         tokens = [t for c in llama_chunks for t in c]
     else:
         tokens = tokenizer.encode(pathlib.Path(args.text).read_text(), add_special_tokens=False)

@@ -2,7 +2,9 @@
 of the bundled model and row counts (issue 17): which path a decode step should take.
 
 Per shape and row count, microseconds per call, best of ``--repeats`` interleaved runs:
-oneDNN's prepacked bfloat16 GEMM, the skinny bfloat16 kernel (M <= 16), and the block
+oneDNN's prepacked GEMM and the skinny kernel (M <= 16) in ``--dtype`` (bfloat16; float32
+where oneDNN has no bfloat16 path, as on AVX2-only CPUs, or to compare with the dense path
+such a CPU serves), and the block
 kernel in Q8_0, Q4_0 and Q4_1 (on CPUs with AMX-INT8, its VNNI and AMX paths apart). Each
 weight is copied until the copies exceed L3, and calls cycle through them, so weights come
 from DRAM as in a real step. Effective GB/s = the format's weight bytes / time.
@@ -33,6 +35,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the dense paths' dtype (and the inputs')")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -43,29 +47,33 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, "
           f"AMX {'from ' + str(amx_default) + ' rows' if amx_default else 'not available'}")
     torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    short = {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
     for name in args.shapes:
         n, k = SHAPES[name]
-        copies = max(1, int(96e6 // (n * k * 2)))
+        copies = max(1, int(96e6 // (n * k * dtype.itemsize)))
         dense, quant = [], {f: [] for f in QuantFormat}
         for _ in range(copies):
             w = torch.randn(n, k) * 0.05
             lin = linear.Linear(k, n, bias=False)
-            lin.weight = torch.nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
+            lin.weight = torch.nn.Parameter(w.to(dtype), requires_grad=False)
             lin.prepack()
             dense.append(lin)
             for f in QuantFormat:
                 quant[f].append(QuantizedWeight.quantize(w, f))
         for m in args.rows:
-            x = torch.randn(m, k).to(torch.bfloat16)
+            x = torch.randn(m, k).to(dtype)
             turn = iter(range(1 << 62))
 
             def pick(xs):
                 return xs[next(turn) % len(xs)]
 
-            calls = {"oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(
+            calls = {f"oneDNN {short}": lambda: torch.ops.mkldnn._linear_pointwise(
                          x, pick(dense).packed, None, "none", [], "")}
+            if dense[0].packed is None:  # no prepacked path here (bfloat16 on AVX2)
+                calls = {f"torch {short}": lambda: torch.nn.functional.linear(x, pick(dense).weight)}
             if m <= 16:  # the skinny kernel's limit
-                calls["skinny bf16"] = lambda: skinny_linear(x, pick(dense).weight)
+                calls[f"skinny {short}"] = lambda: skinny_linear(x, pick(dense).weight)
             # the block kernel per format; where AMX is there, its VNNI and AMX paths apart
             paths = {"": None} if amx_default == 0 else {" vnni": 1 << 40, " amx": 1}
             thresholds: dict[str, int | None] = {key: None for key in calls}
@@ -79,7 +87,7 @@ def main() -> None:
                     lib.quant_linear_amx(thresholds[key] or amx_default)
                     best[key] = min(best[key], seconds_per_call(fn))
             lib.quant_linear_amx(amx_default)
-            nbytes = {"oneDNN bf16": n * k * 2, "skinny bf16": n * k * 2,
+            nbytes = {**{key: n * k * dtype.itemsize for key in calls},
                       **{f.name + suffix: quant[f][0].nbytes for f in QuantFormat
                          for suffix in paths}}
             cells = "  ".join(f"{key} {1e6 * t:7.1f} us ({nbytes[key] / t / 1e9:4.1f} GB/s)"

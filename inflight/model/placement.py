@@ -82,8 +82,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
 def resolve_quantization(quantization: str, path: Path, device: torch.device) -> str:
     """``auto``: ``gguf`` for a GGUF file on CPU (its blocks as the file has them, the way
     llama.cpp serves it) where the block kernels have their SIMD path
-    (``quantized_kernels_vectorized``: AVX-512 VNNI), ``none`` elsewhere: the block kernels
-    are CPU code, and scalar C on an AVX2-only CPU is slower than dense weights on oneDNN.
+    (``quantized_kernels_vectorized``: AVX-512 VNNI or AVX2), ``none`` elsewhere: the block
+    kernels are CPU code, and their scalar C is slower than dense weights on oneDNN.
 
     Raises:
         ValueError: a quantization on CUDA, or ``gguf`` for a model that is not a GGUF file.
@@ -92,8 +92,8 @@ def resolve_quantization(quantization: str, path: Path, device: torch.device) ->
         if device.type != "cpu" or not path.is_file():
             return "none"
         if not quantized_kernels_vectorized():
-            logger.info("quantization auto: dense weights (this CPU has no AVX-512 VNNI, "
-                        "where the block kernels are scalar and slower)")
+            logger.info("quantization auto: dense weights (this CPU has neither AVX-512 VNNI "
+                        "nor AVX2, where the block kernels are scalar and slower)")
             return "none"
         return "gguf"
     if quantization != "none" and device.type != "cpu":

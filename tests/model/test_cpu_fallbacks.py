@@ -1,5 +1,5 @@
 """What the loader and the model choose on CPUs without the fast paths: the block kernels'
-SIMD path (AVX-512 VNNI) and oneDNN's bfloat16 GEMM (AVX-512 BF16 or AVX-NE-CONVERT)."""
+SIMD paths (AVX-512 VNNI, AVX2) and oneDNN's bfloat16 GEMM (AVX-512 BF16 or AVX-NE-CONVERT)."""
 
 from __future__ import annotations
 

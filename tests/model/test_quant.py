@@ -82,6 +82,78 @@ def test_kernel_equals_dequantize_then_matmul(fmt, k, m, dtype):
     assert (y.double() - plain).abs().max() < 0.02 * scale  # int8 input: a few per mille
 
 
+def extreme_blocks(fmt: QuantFormat, n: int, k: int) -> np.ndarray:
+    """GGUF blocks whose codes are all at their ends (Q8_0: -128 and 127; Q4: 0 and 15),
+    signs varying by row and value, every scale 1: the largest products each int8 path
+    must sum without saturating."""
+    codes = np.where((np.arange(n)[:, None] + np.arange(k)[None, :]) % 3 == 0, 0, 1)
+    blocks = quants.quantize(np.ones((n, k), np.float32), fmt.ggml_type).reshape(n, k // 32, -1)
+    if fmt == QuantFormat.Q8_0:
+        blocks[:, :, 2:] = np.where(codes, 127, -128).astype(np.int8).view(np.uint8).reshape(n, -1, 32)
+    else:
+        nib = np.where(codes, 15, 0).astype(np.uint8).reshape(n, -1, 32)
+        blocks[:, :, -16:] = nib[:, :, :16] | (nib[:, :, 16:] << 4)
+    blocks[:, :, :2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)  # d = 1 (Q4_1: m kept)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_extreme_codes_sum_without_saturation(fmt):
+    """Inputs that quantize to +-127 against codes at their ends: the integer sums are exact
+    on every path (vpmaddubsw saturates int16 pairs; the AVX2 path keeps them in range)."""
+    n, k = 21, 1536
+    weight = QuantizedWeight.from_blocks(fmt, extreme_blocks(fmt, n, k))
+    sign = np.where(np.arange(k) % 5 < 2, -1.0, 1.0)
+    x = torch.from_numpy(np.stack([sign, -sign, np.ones(k)]).astype(np.float32))
+    ref = reference(x, weight, None)
+    torch.testing.assert_close(quant_linear(x, weight).double(), ref,
+                               atol=1e-6 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_avx2_path_equals_the_native_path(tmp_path):
+    """The kernel built for AVX2 + FMA + F16C alone (no AVX-512: vpmaddubsw) gives the bits of
+    the library built for this CPU (the VNNI path where it has AVX-512; on an AVX2-only CPU
+    the two builds are the same path): exact integer sums, the same float steps per lane."""
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    lib = build_variant(tmp_path, "-march=haswell")
+    g = torch.Generator().manual_seed(7)
+    for fmt in QuantFormat:
+        weight = QuantizedWeight.quantize(torch.randn(37, 576, generator=g) * 0.1, fmt)
+        bias = torch.randn(37, generator=g)
+        for m in (1, 5, 17):
+            x = torch.randn(m, 576, generator=g) * 3
+            x[0, :32] = 0
+            for threads in (1, 2):
+                assert torch.equal(call_variant(lib, fmt, x, weight, bias, threads),
+                                   quant_linear(x, weight, bias, num_threads=threads)), (fmt, m)
+
+
+def build_variant(tmp_path: Path, march: str) -> ctypes.CDLL:
+    """quant_linear.c built with ``march`` (another CPU's path on this one)."""
+    lib_path = tmp_path / f"quant{march.replace('=', '_')}.so"
+    subprocess.run(["gcc", "-O2", march, "-fopenmp", "-shared", "-fPIC",
+                    str(KERNELS / "quant_linear.c"), "-o", str(lib_path)], check=True,
+                   capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    restype, argtypes = read_signatures(KERNELS / "kernels.h")["quant_linear"]
+    lib.quant_linear.restype, lib.quant_linear.argtypes = restype, argtypes
+    return lib
+
+
+def call_variant(lib: ctypes.CDLL, fmt: QuantFormat, x: torch.Tensor, weight: QuantizedWeight,
+                 bias: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
+    """``lib``'s quant_linear on float32 ``x`` [M, K]: y [M, N] float32."""
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n)
+    rc = lib.quant_linear(int(fmt), 0, x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
+                          None if weight.mins is None else weight.mins.data_ptr(),
+                          None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, threads)
+    assert rc == 0
+    return y
+
+
 @pytest.fixture
 def amx_threshold():
     """The AMX threshold of ``quant_linear.c``, set by the test and restored after it; skips
@@ -143,25 +215,15 @@ def test_kernel_refuses_what_it_does_not_take():
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 def test_plain_c_path_equals_the_vector_path(tmp_path):
-    """The kernel built without AVX-512 (the path of other CPUs) gives the same sums."""
-    lib_path = tmp_path / "quant_plain.so"
-    subprocess.run(["gcc", "-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC",
-                    str(KERNELS / "quant_linear.c"), "-o", str(lib_path)], check=True,
-                   capture_output=True)
-    lib = ctypes.CDLL(str(lib_path))
-    restype, argtypes = read_signatures(KERNELS / "kernels.h")["quant_linear"]
-    lib.quant_linear.restype, lib.quant_linear.argtypes = restype, argtypes
+    """The kernel built for plain x86-64 (scalar C: neither AVX-512 nor AVX2) gives the same
+    sums."""
+    lib = build_variant(tmp_path, "-march=x86-64")
     g = torch.Generator().manual_seed(5)
     for fmt in QuantFormat:
         weight = QuantizedWeight.quantize(torch.randn(21, 160, generator=g), fmt)
         x = torch.randn(3, 160, generator=g)
-        y = torch.empty(3, 21)
-        rc = lib.quant_linear(int(fmt), 0, x.data_ptr(), weight.qs.data_ptr(),
-                              weight.scales.data_ptr(),
-                              None if weight.mins is None else weight.mins.data_ptr(), None,
-                              y.data_ptr(), 3, 21, 160, 1)
-        assert rc == 0
-        torch.testing.assert_close(y, quant_linear(x, weight), atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(call_variant(lib, fmt, x, weight), quant_linear(x, weight),
+                                   atol=1e-5, rtol=1e-6)
 
 
 def test_gguf_blocks_of_the_bundled_model_are_its_weights(bundled_model_path):

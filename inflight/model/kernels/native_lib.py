@@ -42,7 +42,7 @@ class KernelLibrary(ctypes.CDLL):
 
     # The head size the prefill kernel was built for (0: not built, no AVX-512).
     prefill_head_dim: int = 0
-    # The block-quantized GEMM runs on AVX-512 VNNI (or AMX); False: scalar C (AVX2 hosts).
+    # The block-quantized GEMM has a SIMD path (AVX-512 VNNI / AMX, or AVX2); False: scalar C.
     quant_vectorized: bool = False
 
 
@@ -102,8 +102,9 @@ def _build() -> KernelLibrary | None:
 
 def quantized_kernels_vectorized() -> bool:
     """Whether the block-quantized kernels (``quant_linear``, the quantized decode path)
-    have their SIMD path on this CPU. Without AVX-512 VNNI they run scalar C: measured on
-    an AVX2-only EPYC, 9 tok/s for one stream against 50 with dense float32 weights on
+    have a SIMD path on this CPU: AVX-512 VNNI (``vpdpbusd``) or AVX2 + FMA + F16C
+    (``vpmaddubsw``). Without either they run scalar C: measured on an AVX2-only EPYC
+    before its AVX2 path, 9 tok/s for one stream against 50 with dense float32 weights on
     oneDNN (docs/performance.md), so ``--quantization auto`` keeps weights dense there."""
     lib = native_library()
     return lib is not None and lib.quant_vectorized

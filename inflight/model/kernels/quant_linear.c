@@ -50,7 +50,8 @@ enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3 };
 static int offset_of(int fmt) { return fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0; }
 static int64_t tile_bytes(int fmt) { return fmt == Q8_0 ? TILE * QK : TILE * QK / 2; }
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) \
+    && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 static float half_to_f32(uint16_t h) {
 #ifdef __F16C__
     return _cvtsh_ss(h);
@@ -99,6 +100,31 @@ static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int64_t
             s = _mm512_add_epi32(s, qi);
         }
         sum = _mm512_reduce_add_epi32(s);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        __m256 v[4];
+        __m256 mx = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (int h = 0; h < 4; h++) {
+            v[h] = is_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                 _mm_loadu_si128((const __m128i *)((const uint16_t *)x + b * QK + 8 * h))), 16))
+                           : _mm256_loadu_ps((const float *)x + b * QK + 8 * h);
+            mx = _mm256_max_ps(mx, _mm256_and_ps(v[h], abs_mask));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float id = amax != 0.f ? 127.f / amax : 0.f;
+        __m256i qi[4];
+        for (int h = 0; h < 4; h++)  /* cvtps rounds to nearest even, as nearbyintf */
+            qi[h] = _mm256_cvtps_epi32(_mm256_mul_ps(v[h], _mm256_set1_ps(id)));
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+        /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * M * QK),
+                            _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
         float v[QK];
         amax = 0.f;
@@ -364,8 +390,81 @@ static void amx_share(int fmt, int is_bf16, const uint8_t *qs, const uint16_t *s
     _tile_release(); /* oneDNN configures its own on its next call */
 }
 #endif /* AMX */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (no AVX-512: AMD Zen 1-3, older Intel): the same sums as the VNNI path, 8 weight rows
+ * (half a tile, 32 bytes of each 64-byte register) at a time. vpmaddubsw multiplies unsigned
+ * by signed bytes and adds pairs into int16, saturating, so each format keeps its pairs in
+ * range: Q4's nibbles (<= 15) by inputs (|q| <= 127) give at most 3,810 a pair and 30,480
+ * for the 8 registers of a block, summed in int16 before one vpmaddwd; Q8_0's bytes are
+ * made signed (u - 128) and multiplied as |w| by sign(w) q (<= 32,512 a pair), each register
+ * widened to int32 at once, so its offset correction is not needed. Integer sums are exact
+ * in both, and the float steps are the VNNI path's per lane in the same order: the same
+ * bits as the VNNI path (tests/model/test_quant.py). */
+static inline __m256 block_halves8(const uint16_t *h, int64_t b, int half) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + b * TILE + 8 * half)));
+}
+
+/* One block's int32 sums of 8 weight rows (w: 8 registers of 32 bytes, value layout as the
+ * VNNI path's) with one input row's 32 bytes xb. */
+static inline __m256i block_sums8(int fmt, const __m256i *w, const int32_t *xb) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (fmt == Q8_0) {
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i x = _mm256_set1_epi32(xb[j]);
+            /* w[j] holds |w|; sign(x, w) moves w's sign onto the input */
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j])), ones));
+        }
+        return s;
+    }
+    __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xb[0]));
+    for (int j = 1; j < 8; j++)
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xb[j])));
+    return _mm256_madd_epi16(p, ones);
+}
+
+static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
+                     const int8_t *q, const float *dx, const int32_t *corr, const float *dxsx,
+                     int64_t xm, int64_t M, int64_t K, float *out) {
+    const int64_t nb = K / QK, tb = tile_bytes(fmt);
+    const __m256i mask = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[M_CHUNK][2];
+    for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *t = qs + b * tb;
+        for (int64_t o = 0; o < tb; o += 64) _mm_prefetch((const char *)(t + 4 * tb + o), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i w[8];
+            if (fmt == Q8_0) {
+                for (int j = 0; j < 8; j++)
+                    w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(t + 64 * j + 32 * h)), flip);
+            } else {
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 64 * j + 32 * h));
+                    w[2 * j] = _mm256_and_si256(v, mask);
+                    w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                }
+            }
+            const __m256 dw = block_halves8(d, b, h);
+            const __m256 mw = fmt == Q4_1 ? block_halves8(mins, b, h) : _mm256_setzero_ps();
+            for (int64_t m = 0; m < M; m++) {
+                __m256i s = block_sums8(fmt, w, (const int32_t *)(q + (b * xm + m) * QK));
+                if (fmt != Q8_0) s = _mm256_add_epi32(s, _mm256_set1_epi32(corr[b * xm + m]));
+                acc[m][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s),
+                                                          _mm256_set1_ps(dx[b * xm + m])), dw, acc[m][h]);
+                if (fmt == Q4_1)
+                    acc[m][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dxsx[b * xm + m]), acc[m][h]);
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        _mm256_storeu_ps(out + m * TILE, acc[m][0]);
+        _mm256_storeu_ps(out + m * TILE + 8, acc[m][1]);
+    }
+}
 #else
-/* Plain C, where AVX512-VNNI is missing: the same sums, value by value. */
+/* Plain C, where neither AVX512-VNNI nor AVX2 is there: the same sums, value by value. */
 static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
                      const int8_t *q, const float *dx, const int32_t *corr, const float *dxsx,
                      int64_t xm, int64_t M, int64_t K, float *out) {
@@ -416,11 +515,13 @@ int64_t quant_linear_amx(int64_t min_rows) {
 
 /* Returns 0; -1 for shapes or formats it does not take, or no memory (the caller then uses
  * the dequantized weights). N: the layer's rows (the packed tiles may pad it to 16). */
-/* 1 where the block kernels run on AVX-512 VNNI (or AMX) here, 0 where they fall back to
- * scalar C (an AVX2-only CPU: several times slower than oneDNN's dense GEMM, so the loader's
- * quantization "auto" keeps the weights dense there). */
+/* 2 where the block kernels run on AVX-512 VNNI (or AMX), 1 on AVX2 + FMA + F16C (vpmaddubsw),
+ * 0 where they fall back to scalar C (several times slower than oneDNN's dense GEMM, so the
+ * loader's quantization "auto" keeps the weights dense there). */
 int quant_linear_vectorized(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     return 1;
 #else
     return 0;
