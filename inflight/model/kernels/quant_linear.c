@@ -155,13 +155,17 @@ static void store_tile(int is_bf16, void *y, const float *out, int64_t m0, int64
             store_output(is_bf16, y, (m0 + m) * N + r0 + l, out[m * TILE + l], bias, r0 + l);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) \
+    || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #define PF_TILES 4 /* prefetch the weights this many blocks ahead */
 
 /* The packed tile PF_TILES blocks after t (tb bytes a block), so DRAM's latency is hidden. */
 static inline void prefetch_ahead(const uint8_t *t, int64_t tb) {
     for (int64_t o = 0; o < tb; o += 64) _mm_prefetch((const char *)(t + PF_TILES * tb + o), _MM_HINT_T0);
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 /* A Q4 register's nibbles as bytes: register j's low nibbles are values 8j + b of its
  * rows, the high ones 8j + 4 + b (the layout above). */
@@ -397,9 +401,9 @@ static void amx_share(int fmt, int is_bf16, const uint8_t *qs, const uint16_t *s
  * range: Q4's nibbles (<= 15) by inputs (|q| <= 127) give at most 3,810 a pair and 30,480
  * for the 8 registers of a block, summed in int16 before one vpmaddwd; Q8_0's bytes are
  * made signed (u - 128) and multiplied as |w| by sign(w) q (<= 32,512 a pair), each register
- * widened to int32 at once, so its offset correction is not needed. Integer sums are exact
- * in both, and the float steps are the VNNI path's per lane in the same order: the same
- * bits as the VNNI path (tests/model/test_quant.py). */
+ * widened to int32 at once, so its offset correction is not needed (Q4_1 has none). Integer
+ * sums are exact in both, and the float steps are the VNNI path's per lane in the same order:
+ * the same bits as the VNNI path (tests/model/test_quant.py). */
 static inline __m256 block_halves8(const uint16_t *h, int64_t b, int half) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + b * TILE + 8 * half)));
 }
@@ -433,7 +437,7 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
     for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *t = qs + b * tb;
-        for (int64_t o = 0; o < tb; o += 64) _mm_prefetch((const char *)(t + 4 * tb + o), _MM_HINT_T0);
+        prefetch_ahead(t, tb);
         for (int h = 0; h < 2; h++) {
             __m256i w[8];
             if (fmt == Q8_0) {
@@ -450,7 +454,7 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
             const __m256 mw = fmt == Q4_1 ? block_halves8(mins, b, h) : _mm256_setzero_ps();
             for (int64_t m = 0; m < M; m++) {
                 __m256i s = block_sums8(fmt, w, (const int32_t *)(q + (b * xm + m) * QK));
-                if (fmt != Q8_0) s = _mm256_add_epi32(s, _mm256_set1_epi32(corr[b * xm + m]));
+                if (fmt == Q4_0) s = _mm256_add_epi32(s, _mm256_set1_epi32(corr[b * xm + m]));
                 acc[m][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s),
                                                           _mm256_set1_ps(dx[b * xm + m])), dw, acc[m][h]);
                 if (fmt == Q4_1)
@@ -515,13 +519,12 @@ int64_t quant_linear_amx(int64_t min_rows) {
 
 /* Returns 0; -1 for shapes or formats it does not take, or no memory (the caller then uses
  * the dequantized weights). N: the layer's rows (the packed tiles may pad it to 16). */
-/* 2 where the block kernels run on AVX-512 VNNI (or AMX), 1 on AVX2 + FMA + F16C (vpmaddubsw),
+/* 1 where the block kernels run on AVX-512 VNNI (or AMX) or AVX2 + FMA + F16C (vpmaddubsw),
  * 0 where they fall back to scalar C (several times slower than oneDNN's dense GEMM, so the
  * loader's quantization "auto" keeps the weights dense there). */
 int quant_linear_vectorized(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    return 2;
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) \
+    || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
     return 1;
 #else
     return 0;
