@@ -23,7 +23,9 @@ point's deadline passes. A load passes only when all of these hold:
    trend is not in the residuals.
 3. **Each SLO statistic holds with confidence.** The upper end of its two-sided interval
    (``confidence``, 0.95; :mod:`inflight.bench.confidence`) is within the target. A sample
-   too small to bound the statistic fails, saying how many requests it needs. The
+   too small to bound the statistic fails at the last look, saying how many requests it
+   needs; at an earlier one it is undecided, since the next look's window holds more (a
+   hold's first third may be shorter than a p95's sample, the whole hold never is). The
    interval's lower end counts the window's requests as the independent draws they are:
    slow requests that came in one clump (a burst of long prompts) are about one draw (an
    effective sample size), so one burst leaves the point undecided and extended rather
@@ -274,11 +276,12 @@ def _queue(point: list[RequestRecord], sample: list[RequestRecord], window: Wind
 
 
 def _interval_state(iv: dict[str, Any]) -> str:
-    """Rule 3 (module doc) for one SLO statistic: pass within the target; fail when the
-    sample cannot bound it or its whole interval lies above the target; else undecided."""
+    """Rule 3 (module doc) for one SLO statistic: pass within the target; fail when its
+    whole interval lies above the target; else undecided (a straddle, or a sample too small
+    to bound it, which ``_Findings.statistic`` fails at the last look)."""
     if iv["passed"]:
         return PASS
-    return FAIL if iv["n"] < iv["n_min"] or iv["lo"] > iv["target"] else UNDECIDED
+    return FAIL if iv["lo"] > iv["target"] else UNDECIDED
 
 
 @dataclass
@@ -302,13 +305,14 @@ class _Findings:
             self.undecided.append(key)
 
     def statistic(self, key: str, iv: dict[str, Any], confidence: float, final: bool) -> None:
-        """An SLO statistic's interval (with its ``state``): a sample too small to bound it
-        is the sample's fault; an undecided one fails only at the last look."""
+        """An SLO statistic's interval (with its ``state``): an undecided one (a straddle, or
+        a sample too small to bound it so far) fails only at the last look, a small sample
+        as the sample's fault."""
         if iv["state"] == PASS:
             return
         if iv["state"] == UNDECIDED and not final:
             self.undecided.append(key)
-        elif iv["n"] < iv["n_min"]:
+        elif iv["state"] == UNDECIDED and iv["n"] < iv["n_min"]:
             self.fail("sample", f"{key}: {iv['n']} requests cannot bound it (needs >= {iv['n_min']} at "
                                 f"{confidence:.0%} confidence)")
         else:
@@ -319,7 +323,8 @@ class _Findings:
         if self.reasons:
             return Verdict(False, self.reasons, evidence, FAIL)
         if self.undecided:
-            return Verdict(False, [f"undecided: {', '.join(self.undecided)} within noise of the target"],
+            return Verdict(False, [f"undecided: {', '.join(self.undecided)} within noise of the target "
+                                   "or not yet bounded by the sample"],
                            evidence, UNDECIDED)
         return Verdict(True, [], evidence, PASS)
 

@@ -107,6 +107,30 @@ def test_a_straddling_p95_is_undecided_then_fails_at_the_last_look():
     assert judge(recs, FIRST, parse_slo("ttft_p95=2"), final=False).state == PASS
 
 
+def test_a_look_too_small_for_a_p95_is_extended_not_failed():
+    # A hold judged at each third (issue 30's sequential looks): at 5 req/s the first
+    # third's 10 s window holds 50 requests, fewer than the 72 that bound a p95 at 95 %, so
+    # that look can neither pass nor fail on it; the whole hold's 100 can (a hold of 120 s
+    # at 0.5 req/s "failed" its first 67 requests with p95 696 ms against a 2 s target).
+    slo = parse_slo("ttft_p95=1")
+    fast = fifo_records(FIRST, lambda s: 0.05, rate=5.0)
+    look = judge(fast, FIRST, slo, final=False)
+    iv = look.evidence["slo"]["ttft_p95"]
+    assert (iv["n"], iv["n_min"], iv["state"]) == (50, 72, UNDECIDED)
+    assert look.state == UNDECIDED and look.evidence["undecided"] == ["ttft_p95"]
+    assert "not yet bounded by the sample" in look.reasons[0]
+    whole = judge(fifo_records(EXTENDED, lambda s: 0.05, rate=5.0), EXTENDED, slo, final=True)
+    assert whole.passed and whole.evidence["slo"]["ttft_p95"]["n"] == 100
+    # At the last look a small sample still fails, as the sample's fault ...
+    last = judge(fast, FIRST, slo, final=True)
+    assert last.state == FAIL and last.evidence["causes"] == ["sample"]
+    assert "50 requests cannot bound it (needs >= 72" in last.reasons[0]
+    # ... and 50 requests all slower than the target are conclusive at any look.
+    slow = judge(_ttft_records([2.0] * 60, FIRST, rate=5.0), FIRST, slo, final=False)
+    assert slow.state == FAIL and slow.evidence["causes"][-1] == "ttft_p95"
+    assert slow.evidence["slo"]["ttft_p95"]["lo"] == 2.0
+
+
 def _ttft_records(ttfts, window: Window = FIRST, rate: float = 30.0):
     """One request every 1 / rate s with the given TTFTs, 10 ms to its last token."""
     recs = []
