@@ -39,8 +39,8 @@ from inflight.model.kernels.native_lib import (KernelLibrary, native_for, native
 from inflight.model.quant import QuantizedWeight
 
 
-# Below this many keys a thread, decode attention stays on the calling thread: starting the
-# team costs a few microseconds a layer.
+# Below this many key rows a thread (a sequence's keys once per KV head), decode attention
+# stays on the calling thread: starting the team costs a few microseconds a layer.
 MIN_KEYS_PER_THREAD = 512
 
 
@@ -58,7 +58,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         scale: softmax scale.
         num_threads: at most this many threads (default ``torch.get_num_threads()``), each
             with a contiguous run of (sequence, KV head) pairs holding about equal keys and
-            at least ``MIN_KEYS_PER_THREAD``. Results do not depend on it.
+            at least ``MIN_KEYS_PER_THREAD`` key rows. Results do not depend on it.
 
     Returns:
         ``[B, num_heads, head_dim]`` in q's dtype, or None when the kernel cannot run these

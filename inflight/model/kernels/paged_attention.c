@@ -335,8 +335,9 @@ typedef void (*head_kv8_bf16_fn)(int, const uint16_t *, const uint8_t *, const u
                                  float *, uint16_t *);
 
 /* Returns 0 on success, -1 on unsupported shapes or no memory (the caller falls back to
- * PyTorch). kv_fmt: KV_PLAIN (the cache in q's element type) or an 8-bit format (kv8.h). Up to num_threads threads, fewer so that each has at least min_keys keys (a
- * fork costs microseconds; tiny batches run on the caller's thread). */
+ * PyTorch). kv_fmt: KV_PLAIN (the cache in q's element type) or an 8-bit format (kv8.h). Up to num_threads threads, fewer so that each has at least min_keys key rows
+ * (a sequence's keys once per KV head; a fork costs microseconds, so tiny batches run on
+ * the caller's thread). */
 int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *kv_cache,
                            const int64_t *tables, const int64_t *seq_lens, void *out,
                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
@@ -360,11 +361,11 @@ int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *k
 #if defined(__AVX512BF16__)
     if (D == 64) hbf16 = head_bf16_64_dp;
 #endif
-    int64_t nt = min_keys > 0 ? total / min_keys : num_threads;
+    const int64_t work = total * Hkv; /* key rows: each (sequence, KV head) pair reads len */
+    int64_t nt = min_keys > 0 ? work / min_keys : num_threads;
     nt = nt < num_threads ? nt : num_threads;
     nt = nt < B * Hkv ? nt : B * Hkv;
     nt = nt > 1 ? nt : 1;
-    const int64_t work = total * Hkv;
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
     {
