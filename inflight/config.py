@@ -195,8 +195,15 @@ class EngineConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        """The config ``add_cli_args``' flags give. Raises ``ValueError`` naming a field."""
+        """The config ``add_cli_args``' flags give. Raises ``ValueError`` naming a field, or
+        ``LoRAError`` (a ``ValueError``) for a ``--lora-modules`` adapter whose directory or
+        ``adapter_config.json`` cannot be served (checked now, before any model loads)."""
         lora = lora_config_from_args(args)
+        if lora is not None and lora.lora_modules:
+            from inflight.lora.adapter import check_adapter_dir  # torch: only when needed
+
+            for module in lora.lora_modules:
+                check_adapter_dir(module.name, module.path)
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)
                       if f.name != "lora_config"}, lora_config=lora)
 

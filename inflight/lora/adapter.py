@@ -141,9 +141,7 @@ def load_peft_adapter(path: str, config: ModelShape, max_rank: int, name: str) -
             tensor of the wrong shape (named, with the expected shape), a layer index out
             of range, an ``A`` without its ``B`` or the reverse, non-finite values.
     """
-    def fail(msg: str) -> LoRAError:
-        return LoRAError(f"LoRA adapter {name!r} ({path}): {msg}")
-
+    fail = _fail_for(name, path)
     cfg = _read_config(path, fail)
     _check_features(cfg, fail)
     pairs = _pair_tensors(_read_tensors(path, fail), config, cfg, fail)
@@ -159,6 +157,24 @@ def load_peft_adapter(path: str, config: ModelShape, max_rank: int, name: str) -
     weights = {(layer, fused): _fuse(fused, parts, shapes)
                for (layer, fused), parts in scaled.items()}
     return LoRAAdapter(name=name, path=path, rank=rank, weights=weights)
+
+
+def check_adapter_dir(name: str, path: str) -> None:
+    """What can be checked of an adapter without the model: its directory, its
+    ``adapter_config.json`` and the features it declares (``load_peft_adapter`` checks the
+    tensors against the model later). ``inflight serve`` calls it for ``--lora-modules``
+    before loading the model, so a wrong path fails in a second, not after the load.
+
+    Raises:
+        LoRAError: as ``load_peft_adapter`` for the directory, the config file or a feature.
+    """
+    fail = _fail_for(name, path)
+    _check_features(_read_config(path, fail), fail)
+
+
+def _fail_for(name: str, path: str) -> _Fail:
+    """The error every check of adapter ``name`` raises, its message prefixed alike."""
+    return lambda msg: LoRAError(f"LoRA adapter {name!r} ({path}): {msg}")
 
 
 def _read_config(path: str, fail: _Fail) -> dict[str, Any]:

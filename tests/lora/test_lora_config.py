@@ -84,3 +84,29 @@ def test_config_import_is_torch_free():
     code = ("import sys, inflight.lora.lora_config; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_serve_flags_check_adapter_dirs_before_any_model_loads(tmp_path):
+    # EngineConfig.from_cli_args is what `inflight serve` (one engine or replicas) reads its
+    # flags with: a wrong --lora-modules path fails there, before the model loads.
+    from inflight.config import EngineConfig
+    from inflight.lora.adapter import CONFIG_FILE, LoRAError
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+
+    def config(modules: str) -> EngineConfig:
+        return EngineConfig.from_cli_args(parser.parse_args(
+            shlex.split(f"--enable-lora --max-lora-rank 8 --lora-modules {modules}")))
+
+    good, dora = tmp_path / "good", tmp_path / "dora"
+    for d, extra in ((good, {}), (dora, {"use_dora": True})):
+        d.mkdir()
+        (d / CONFIG_FILE).write_text(json.dumps({"r": 8, "lora_alpha": 16, **extra}))
+    assert config(f"sql={good}").lora_config.lora_modules == (LoRAModule("sql", str(good)),)
+    with pytest.raises(LoRAError, match=r"^LoRA adapter 'sql' \(.*missing\): no such directory"):
+        config(f"ok={good} sql={tmp_path / 'missing'}")
+    with pytest.raises(LoRAError, match=r"^LoRA adapter 'x' \(.*\): adapter_config.json is missing"):
+        config(f"x={tmp_path}")
+    with pytest.raises(LoRAError, match="DoRA"):
+        config(f"d={dora}")

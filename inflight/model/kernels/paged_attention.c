@@ -53,7 +53,7 @@ static inline void softmax_rows(float *scores, int64_t G, int64_t len, const flo
 }
 
 /* A cache row of n values as float32: a float32 row where it lies (copying it was a
- * memcpy call a row, a fifth of decode attention's time), a bfloat16 one widened into buf. */
+ * memcpy call a row: a quarter of decode attention's time), a bfloat16 one widened into buf. */
 static inline const float *row_f32(const float *row, float *buf, int64_t n) {
     (void)buf, (void)n;
     return row;
