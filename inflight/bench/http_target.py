@@ -241,7 +241,9 @@ def _all_done(tasks: Sequence[asyncio.Task[RequestRecord]], records: Sequence[Re
 
 
 def _progress(total: int, enabled: bool) -> Any:
+    """The requests' progress bar, on a terminal only: ``disable=None`` is tqdm's "off
+    where stderr is not a TTY", so a log file gets no thousands of bar updates."""
     if not enabled:
         return None
     from tqdm import tqdm
-    return tqdm(total=total, desc="requests", unit="req", leave=False)
+    return tqdm(total=total, desc="requests", unit="req", leave=False, disable=None)

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, Protocol, TextIO
 import numpy as np
 
 from inflight.bench import capacity as cap
-from inflight.bench.limit_doc import best_point, crossings, lost_because
+from inflight.bench.limit_doc import best_point, crossings, lost_because, shed_note
 from inflight.bench.queue_trend import in_flight_at
 from inflight.bench.session import ArrivalConfig, PointResult, Session, run_point
 from inflight.bench.summary import SLO
@@ -344,9 +344,11 @@ def limit_line(res: LimitResult, by_scale: bool) -> str:
     head = f"value={res.label}: " if res.label is not None else ""
     sp = res.spread
     if not sp["found"]:
+        shed = shed_note(res.to_json())
+        why = f"; {shed}" if shed else ""
         if res.held and any(not p["held"] and p["passed"] for p in res.curve):
-            return f"{head}no load held: every hold failed (see the points above)"
-        return f"{head}no load met the SLO (lowest tried failed)"
+            return f"{head}no load held: every hold failed (see the points above){why}"
+        return f"{head}no load met the SLO (lowest tried failed){why}"
     bound = "" if res.bounded else " (a lower bound: the highest load tried still passed)"
     above = [a for a in res.failed_above if a is not None]
     bracket = ""
@@ -364,7 +366,8 @@ def limit_line(res: LimitResult, by_scale: bool) -> str:
     if res.prediction is not None and res.prediction.limit is not None:
         line += (f"; predicted {space_x(res.prediction.limit, by_scale):.4g}"
                  f"{'' if res.prediction.usable else ' (not used)'}")
-    return line
+    shed = shed_note(res.to_json())
+    return line + (f"; {shed}" if shed else "")
 
 
 def space_x(load: float, by_scale: bool) -> float:

@@ -112,3 +112,22 @@ def lost_because(result: dict[str, Any]) -> list[str]:
             if p["repeat"] == rep and not p["passed"] and above is not None and p["x"] == above:
                 causes += [c for c in p["evidence"].get("causes", []) if c not in causes]
     return causes
+
+
+# The error code inflight's server sheds a request with (HTTP 503; ``core/overload.py``).
+SHED_CODE = "server_overloaded"
+
+
+def shed_note(result: dict[str, Any]) -> str | None:
+    """Where failing points failed on requests the server shed (HTTP 503 ``server_overloaded``:
+    its overload protection, ``inflight serve --overload-ttft``, 1 s by default), the note
+    that says so: such a load failed on the server's own threshold, not on the SLO, so a
+    TTFT target above that threshold is never what bounds the limit. None otherwise."""
+    shed = sorted({p["x"] for p in result["curve"]
+                   if not p["passed"] and any(SHED_CODE in r for r in p.get("reasons", []))})
+    if not shed:
+        return None
+    return (f"at {', '.join(f'{x:.4g}' for x in shed)} the server shed requests (HTTP 503 "
+            f"{SHED_CODE}): its overload protection refused load before the SLO was judged; "
+            "for the SLO's own limit, start it with --overload-ttft at or above the TTFT "
+            "target (0: off)")

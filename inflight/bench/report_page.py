@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inflight.bench.limit_doc import (KnobGroups, best_point, held_seconds, json_number, knob_groups, lost_because,
-                                      recommended)
+                                      recommended, shed_note)
 from inflight.bench.limit_plots import plot_at_limit, plot_capacity_bars, plot_latency_vs_load, plot_lengths
 from inflight.bench.machine import cpu_shares
 
@@ -110,17 +110,35 @@ def _at_limit_lines(point: Json | None) -> list[str]:
     return lines
 
 
-def _no_limit_lines(res: Json | None, by_scale: bool) -> list[str]:
-    """Why there is no limit: nothing passed, or the search passed and every hold failed."""
+def _no_limit_lines(res: Json | None, by_scale: bool, hold_s: float | None) -> list[str]:
+    """Why there is no limit: nothing passed, or the search passed and every hold failed
+    (``hold_s``: the hold asked for; a hold ends at its first conclusive failure)."""
     holds = [p for p in res.get("curve", []) if p.get("held")] if res is not None else []
+    shed = shed_note(res) if res is not None else None
     if res is None or not holds:
-        return ["**No load met the SLO.**", ""]
+        return ["**No load met the SLO.**" + (f" Note: {shed}." if shed else ""), ""]
     searched = [p["x"] for p in res["curve"] if p["passed"] and not p.get("held")]
     top = (min(searched) if by_scale else max(searched)) if searched else None
-    tried = "; ".join(f"{p['x']:.4g} ({', '.join(p['evidence'].get('causes') or ['failed'])})" for p in holds)
+    tried = "; ".join(f"{p['x']:.4g} ({', '.join(p['evidence'].get('causes') or ['failed'])}, "
+                      f"after {p['evidence']['window']['seconds']:.0f} s)" for p in holds)
+    lowest = max(p["x"] for p in holds) if by_scale else min(p["x"] for p in holds)
+    asked = f"{hold_s:.0f} s " if hold_s else ""
+    advice = (f"Note: {shed}." if shed else
+              "Hold lower (more `--max-holds`, each a step down) or measure on a quieter machine "
+              "(see Machine).")
     return [f"**No load held.** The search passed up to {top:.4g} in its windows, and every "
-            f"{held_seconds(res):.0f} s hold failed: {tried}. The operating limit lies below the lowest "
-            "load held; hold lower (`--max-holds`) or measure on a quieter machine (see Machine).", ""]
+            f"{asked}hold failed (a hold is judged at each third and ends at a conclusive "
+            f"failure): {tried}. The operating limit lies "
+            + (f"at a time scale above {lowest:.4g}" if by_scale else f"below {lowest:.4g} req/s")
+            + f". {advice}", ""]
+
+
+def _hold_asked(doc: Json) -> float | None:
+    """The hold the run asked for (s): ``--hold-duration``, else 5 search windows."""
+    args, arrival = doc.get("args") or {}, doc.get("arrival") or {}
+    if args.get("hold_duration") is not None:
+        return float(args["hold_duration"])
+    return 5 * float(arrival["duration"]) if arrival.get("duration") else None
 
 
 def _bracket_lines(res: Json, by_scale: bool) -> list[str]:
@@ -147,6 +165,9 @@ def _bracket_lines(res: Json, by_scale: bool) -> list[str]:
         ramp = pred.get("ramp") or {}
         out.append(f"- predicted by the simulator from this server's own steps (`--calibrate`): {xs}, in "
                    f"{pred.get('seconds', 0):.0f} s including a {ramp.get('seconds', 0):.0f} s ramp ({use})")
+    shed = shed_note(res)
+    if shed:
+        out.append(f"- {shed}")
     extended = [p for p in res.get("curve", []) if len((p.get("evidence") or {}).get("looks") or []) > 1
                 and not p.get("held")]
     if extended:
@@ -234,7 +255,7 @@ def _result_lines(r: _Report) -> list[str]:
     there is none."""
     best, by_scale = r.best, r.by_scale
     if best is None or best["spread"]["mean"] is None:
-        return _no_limit_lines(best or (r.doc.get("results") or [None])[0], by_scale)
+        return _no_limit_lines(best or (r.doc.get("results") or [None])[0], by_scale, _hold_asked(r.doc))
     sp = best["spread"]
     above = [a for a in best["failed_above"] if a is not None]
     lim = "time scale" if by_scale else "req/s"

@@ -157,7 +157,7 @@ class OverloadShedder:
             ttft = now + prefill - req.arrival_time
             if ttft > self.ttft:
                 req.shed_retry_after = max(1.0, prefill - self.ttft)
-                shed.append((req, f"overloaded: first token predicted {ttft:.2f} s after "
+                shed.append((req, f"overloaded: first token predicted {ttft:.3f} s after "
                                   f"arrival, over the {self.ttft:g} s the server allows once "
                                   f"its queue has not emptied for {self.interval:g} s"))
                 continue

@@ -58,7 +58,7 @@ def test_shedder_waits_for_a_standing_queue_and_leaves_when_it_drains():
     s.observe(10.5, [_waiting(0.0)], num_shed=0)
     assert s.active
     (req, why), = s.shed([late], [], 10.5, 100)
-    assert req is late and "first token predicted 10.60 s after arrival" in why
+    assert req is late and "first token predicted 10.600 s after arrival" in why
     # The queue emptied because of the shedding: still overload.
     s.observe(10.6, [], num_shed=1)
     assert s.active
