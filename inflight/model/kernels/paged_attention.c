@@ -346,9 +346,10 @@ typedef void (*head_kv8_bf16_fn)(int, const uint16_t *, const uint8_t *, const u
                                  float *, uint16_t *);
 
 /* Returns 0 on success, -1 on unsupported shapes or no memory (the caller falls back to
- * PyTorch). kv_fmt: KV_PLAIN (the cache in q's element type) or an 8-bit format (kv8.h). Up to num_threads threads, fewer so that each has at least min_keys key rows
- * (a sequence's keys once per KV head; a fork costs microseconds, so tiny batches run on
- * the caller's thread). */
+ * PyTorch). kv_fmt: KV_PLAIN (the cache in q's element type) or an 8-bit format (kv8.h).
+ * Up to num_threads threads, fewer so that each has at least min_keys key rows (a
+ * sequence's keys once per KV head; a fork costs microseconds, so tiny batches run on the
+ * caller's thread). */
 int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *kv_cache,
                            const int64_t *tables, const int64_t *seq_lens, void *out,
                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,

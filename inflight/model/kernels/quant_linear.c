@@ -42,6 +42,18 @@
 #include <immintrin.h>
 #endif
 
+/* The two SIMD paths, named once: AVX-512 VNNI (with AMX where there is one) and AVX2. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VNNI_PATH 1
+#else
+#define VNNI_PATH 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define AVX2_PATH 1
+#else
+#define AVX2_PATH 0
+#endif
+
 #define QK 32
 #define TILE 16     /* weight rows a tile */
 #define M_CHUNK 16  /* input rows whose sums stay in registers at once */
@@ -50,8 +62,7 @@ enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3 };
 static int offset_of(int fmt) { return fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0; }
 static int64_t tile_bytes(int fmt) { return fmt == Q8_0 ? TILE * QK : TILE * QK / 2; }
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) \
-    && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if !VNNI_PATH && !AVX2_PATH
 static float half_to_f32(uint16_t h) {
 #ifdef __F16C__
     return _cvtsh_ss(h);
@@ -100,7 +111,7 @@ static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int64_t
             s = _mm512_add_epi32(s, qi);
         }
         sum = _mm512_reduce_add_epi32(s);
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif AVX2_PATH
         __m256 v[4];
         __m256 mx = _mm256_setzero_ps();
         const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -155,8 +166,7 @@ static void store_tile(int is_bf16, void *y, const float *out, int64_t m0, int64
             store_output(is_bf16, y, (m0 + m) * N + r0 + l, out[m * TILE + l], bias, r0 + l);
 }
 
-#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) \
-    || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if VNNI_PATH || AVX2_PATH
 #define PF_TILES 4 /* prefetch the weights this many blocks ahead */
 
 /* The packed tile PF_TILES blocks after t (tb bytes a block), so DRAM's latency is hidden. */
@@ -165,7 +175,7 @@ static inline void prefetch_ahead(const uint8_t *t, int64_t tb) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if VNNI_PATH
 
 /* A Q4 register's nibbles as bytes: register j's low nibbles are values 8j + b of its
  * rows, the high ones 8j + 4 + b (the layout above). */
@@ -394,7 +404,7 @@ static void amx_share(int fmt, int is_bf16, const uint8_t *qs, const uint16_t *s
     _tile_release(); /* oneDNN configures its own on its next call */
 }
 #endif /* AMX */
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif AVX2_PATH
 /* AVX2 (no AVX-512: AMD Zen 1-3, older Intel): the same sums as the VNNI path, 8 weight rows
  * (half a tile, 32 bytes of each 64-byte register) at a time. vpmaddubsw multiplies unsigned
  * by signed bytes and adds pairs into int16, saturating, so each format keeps its pairs in
@@ -526,8 +536,7 @@ int64_t quant_linear_amx(int64_t min_rows) {
  * 0 where they fall back to scalar C (several times slower than oneDNN's dense GEMM, so the
  * loader's quantization "auto" keeps the weights dense there). */
 int quant_linear_vectorized(void) {
-#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) \
-    || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if VNNI_PATH || AVX2_PATH
     return 1;
 #else
     return 0;
