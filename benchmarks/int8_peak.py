@@ -19,20 +19,24 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import pathlib
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Callable
 
 import torch
 
+from inflight.bench.timing import seconds_per_call
 from inflight.model.kernels import quant_linear
 from inflight.model.kernels.native_lib import native_library
 from inflight.model.quant import QuantFormat, QuantizedWeight
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from quant_linear import SHAPES  # noqa: E402  (sibling benchmark: the bundled model's layer shapes)
 
 # Each loop: n iterations of 8 independent products (registers 0-7 from 14, 15), optionally
 # one vpmaddwd more. Returns nothing; the caller times it.
@@ -84,18 +88,14 @@ def rate(fn: Callable[[ctypes.c_int64], object], ops_per_iter: int, n: int = 20_
 
 def kernel_gmacs(n: int, k: int, m: int, repeats: int) -> float:
     """GMAC/s of ``quant_linear`` on ``m`` rows of a ``[n, k]`` Q4_1 layer, weights out of
-    cache (8 copies used in turn), best of ``repeats`` timings of 16 calls."""
+    cache (8 copies used in turn), best of ``repeats`` timings."""
     ws = [QuantizedWeight.quantize(torch.randn(n, k) * 0.05, QuantFormat.Q4_1) for _ in range(8)]
     x = torch.randn(m, k)
-    for w in ws:
-        if quant_linear(x, w) is None:
-            raise SystemExit("quant_linear did not run (no native kernels here)")
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for i in range(16):
-            quant_linear(x, ws[i % 8])
-        best = min(best, (time.perf_counter() - t) / 16)
+    if quant_linear(x, ws[0]) is None:
+        raise SystemExit("quant_linear did not run (no native kernels here)")
+    turn = itertools.count()
+    best = min(seconds_per_call(lambda: quant_linear(x, ws[next(turn) % len(ws)]))
+               for _ in range(repeats))
     return m * n * k / best / 1e9
 
 

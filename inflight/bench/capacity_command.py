@@ -39,7 +39,7 @@ async def capacity(run: Run) -> int:
         **header(config, "capacity"), "simulated": run.simulated,
         "machine": {"start": machine_start, "end": describe_machine()},
         "slo": plan.slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
-        "arrival": plan.base.describe(), "thresholds": th.__dict__.copy(),
+        "hold_duration": space.hold_duration, "arrival": plan.base.describe(), "thresholds": th.__dict__.copy(),
         "preemption_threshold": th.preemption_threshold, "results": [r.to_json() for r in results]}
     if config.simulate is not None and config.simulate.replicas > 1:
         doc["one_replica"] = await _one_replica_baseline(run, results)

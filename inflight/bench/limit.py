@@ -343,9 +343,9 @@ def limit_line(res: LimitResult, by_scale: bool) -> str:
     unit = "time scale" if by_scale else "req/s"
     head = f"value={res.label}: " if res.label is not None else ""
     sp = res.spread
+    shed = shed_note(res.curve)
+    why = f"; {shed}" if shed else ""
     if not sp["found"]:
-        shed = shed_note(res.to_json())
-        why = f"; {shed}" if shed else ""
         if res.held and any(not p["held"] and p["passed"] for p in res.curve):
             return f"{head}no load held: every hold failed (see the points above){why}"
         return f"{head}no load met the SLO (lowest tried failed){why}"
@@ -366,8 +366,7 @@ def limit_line(res: LimitResult, by_scale: bool) -> str:
     if res.prediction is not None and res.prediction.limit is not None:
         line += (f"; predicted {space_x(res.prediction.limit, by_scale):.4g}"
                  f"{'' if res.prediction.usable else ' (not used)'}")
-    shed = shed_note(res.to_json())
-    return line + (f"; {shed}" if shed else "")
+    return line + why
 
 
 def space_x(load: float, by_scale: bool) -> float:

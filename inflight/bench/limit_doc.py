@@ -118,12 +118,13 @@ def lost_because(result: dict[str, Any]) -> list[str]:
 SHED_CODE = "server_overloaded"
 
 
-def shed_note(result: dict[str, Any]) -> str | None:
-    """Where failing points failed on requests the server shed (HTTP 503 ``server_overloaded``:
-    its overload protection, ``inflight serve --overload-ttft``, 1 s by default), the note
-    that says so: such a load failed on the server's own threshold, not on the SLO, so a
-    TTFT target above that threshold is never what bounds the limit. None otherwise."""
-    shed = sorted({p["x"] for p in result["curve"]
+def shed_note(curve: list[dict[str, Any]]) -> str | None:
+    """Where points of ``curve`` (a result's) failed on requests the server shed (HTTP 503
+    ``server_overloaded``: its overload protection, ``inflight serve --overload-ttft``, 1 s
+    by default), the note that says so: such a load failed on the server's own threshold,
+    not on the SLO, so a TTFT target above that threshold is never what bounds the limit.
+    None otherwise."""
+    shed = sorted({p["x"] for p in curve
                    if not p["passed"] and any(SHED_CODE in r for r in p.get("reasons", []))})
     if not shed:
         return None

@@ -114,7 +114,7 @@ def _no_limit_lines(res: Json | None, by_scale: bool, hold_s: float | None) -> l
     """Why there is no limit: nothing passed, or the search passed and every hold failed
     (``hold_s``: the hold asked for; a hold ends at its first conclusive failure)."""
     holds = [p for p in res.get("curve", []) if p.get("held")] if res is not None else []
-    shed = shed_note(res) if res is not None else None
+    shed = shed_note(res.get("curve", [])) if res is not None else None
     if res is None or not holds:
         return ["**No load met the SLO.**" + (f" Note: {shed}." if shed else ""), ""]
     searched = [p["x"] for p in res["curve"] if p["passed"] and not p.get("held")]
@@ -131,14 +131,6 @@ def _no_limit_lines(res: Json | None, by_scale: bool, hold_s: float | None) -> l
             f"failure): {tried}. The operating limit lies "
             + (f"at a time scale above {lowest:.4g}" if by_scale else f"below {lowest:.4g} req/s")
             + f". {advice}", ""]
-
-
-def _hold_asked(doc: Json) -> float | None:
-    """The hold the run asked for (s): ``--hold-duration``, else 5 search windows."""
-    args, arrival = doc.get("args") or {}, doc.get("arrival") or {}
-    if args.get("hold_duration") is not None:
-        return float(args["hold_duration"])
-    return 5 * float(arrival["duration"]) if arrival.get("duration") else None
 
 
 def _bracket_lines(res: Json, by_scale: bool) -> list[str]:
@@ -165,7 +157,7 @@ def _bracket_lines(res: Json, by_scale: bool) -> list[str]:
         ramp = pred.get("ramp") or {}
         out.append(f"- predicted by the simulator from this server's own steps (`--calibrate`): {xs}, in "
                    f"{pred.get('seconds', 0):.0f} s including a {ramp.get('seconds', 0):.0f} s ramp ({use})")
-    shed = shed_note(res)
+    shed = shed_note(res.get("curve", []))
     if shed:
         out.append(f"- {shed}")
     extended = [p for p in res.get("curve", []) if len((p.get("evidence") or {}).get("looks") or []) > 1
@@ -255,7 +247,8 @@ def _result_lines(r: _Report) -> list[str]:
     there is none."""
     best, by_scale = r.best, r.by_scale
     if best is None or best["spread"]["mean"] is None:
-        return _no_limit_lines(best or (r.doc.get("results") or [None])[0], by_scale, _hold_asked(r.doc))
+        return _no_limit_lines(best or (r.doc.get("results") or [None])[0], by_scale,
+                               r.doc.get("hold_duration"))
     sp = best["spread"]
     above = [a for a in best["failed_above"] if a is not None]
     lim = "time scale" if by_scale else "req/s"

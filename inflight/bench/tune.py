@@ -180,7 +180,7 @@ async def tune(run: Run) -> int:
     final = await tuner.limit_of(current, "recommended", hold=True)
     doc = {**header(config, "tune"), "simulated": run.simulated, "slo": config.slo.to_json(),
            "search": "time_scale" if config.space.by_scale else "rate",
-           "arrival": config.arrival.describe(), "thresholds": config.thresholds.__dict__.copy(),
+           "hold_duration": config.space.hold_duration, "arrival": config.arrival.describe(), "thresholds": config.thresholds.__dict__.copy(),
            "base_command": config.server.serve_cmd, "knobs": steps,
            "recommended": {"command": shlex.join(current), **final.to_json()},
            "machine": {"start": machine_start, "end": describe_machine()}}

@@ -160,6 +160,7 @@ def test_capacity_cli(fake_server, data_dir, tmp_path, capsys):
     assert all("preemption" in p["evidence"]["causes"] for p in curve)
     assert result["preemption_threshold"] == 1.0 and png.exists()
     assert result["arrival"]["duration"] == 0.3 and result["arrival"]["min_requests"] == 6
+    assert result["hold_duration"] == pytest.approx(1.5)  # the hold asked for: 5 windows (the report says it)
 
     # At 20-40 req/s a stall of the test's own event loop (tens of ms) leaves a request or
     # two in flight, below the queue rule's floor; at 100 req/s it read as a growing queue.
