@@ -21,7 +21,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 install: $(BIN)/.installed
 
 # Types first (seconds; pyproject.toml says what is strict), then the suite, then its
-# instruction-set-sensitive tests on the other CPU path where this host can emulate it.
+# instruction-set-sensitive tests on every other host kind's path this host can emulate.
 test: install
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -1,9 +1,13 @@
-"""What the benchmarks share: a bench command run bounded, its output in a log file, with the
+"""What the benchmarks share: the host a run was on, printed by every benchmark as it starts
+(``record_host``); a bench command run bounded, its output in a log file, with the
 machine's load average before and after (``limit_validation.py``, ``limit_vs_llamacpp.py``);
 a free local port for a server they start."""
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import pathlib
 import shlex
 import signal
@@ -14,6 +18,25 @@ import time
 from inflight.bench.machine import describe_machine
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def record_host() -> dict:
+    """Print, as one ``host:`` JSON line, the machine this run is on: CPU model, its
+    instruction-set flags, VM or not, cores, the thread and instruction-set settings in
+    force, load average (``bench.machine.describe_machine``); and the load average again
+    when the run ends. Results from hosts that differ 2.5x must never be compared by
+    accident (issue 51). Returns the record."""
+    host = {k: v for k, v in describe_machine().items() if k != "cpu_ticks"}
+    print("host: " + json.dumps(host), flush=True)
+    atexit.register(_print_end_load)
+    return host
+
+
+def _print_end_load() -> None:
+    try:
+        print(f"host: load average at the end {list(os.getloadavg())}", flush=True)
+    except OSError:  # stdout closed (a pipe's reader left)
+        pass
 
 
 def free_port() -> int:

@@ -10,7 +10,8 @@ cache in the model's dtype without the AVX-512 prefill kernel went to PyTorch's 
 
 Workloads (``LLM.generate``, greedy, EOS ignored, random prompt ids, fresh per run so no
 prefix-cache hit): ``N streams``: N requests of ``--input-len`` / ``--output-len`` at once,
-at once; ``mix``: the first ``--mix-requests`` of the Azure conversation trace
+at once; ``prefill``: 8 prompts of ``--prefill-len`` tokens, one output token each, rated
+in prompt tokens a second (the prompt GEMM's share, issue 50); ``mix``: the first ``--mix-requests`` of the Azure conversation trace
 (prompts capped at 512, outputs at 256), 32 running at most, so prompts keep joining
 running decodes. Prints each run's output tok/s, the medians and the ratio, and the load
 average before each run.
@@ -42,7 +43,9 @@ def set_mode(invariant: bool) -> None:
 def workload(name: str, args: argparse.Namespace, rng: random.Random, vocab: int
              ) -> tuple[list[list[int]], list[int]]:
     """(prompts, output lengths)."""
-    if name == "mix":
+    if name == "prefill":
+        lens = [(args.prefill_len, 1)] * 8
+    elif name == "mix":
         with open(default_data_dir() / "azure_llm_2023_conv_1815-1900.csv") as f:
             rows = list(csv.DictReader(f))[:args.mix_requests]
         lens = [(min(int(r["ContextTokens"]), 512), min(int(r["GeneratedTokens"]), 256))
@@ -53,19 +56,22 @@ def workload(name: str, args: argparse.Namespace, rng: random.Random, vocab: int
     return prompts, [max(1, o) for _, o in lens]
 
 
-def run_once(llm: LLM, prompts: list[list[int]], outs: list[int]) -> float:
+def run_once(llm: LLM, prompts: list[list[int]], outs: list[int], prefill: bool = False) -> float:
     """Output tokens per second of one ``generate`` over the workload (``--max-num-seqs``
-    32: N streams are N requests at once)."""
+    32: N streams are N requests at once); with ``prefill``, prompt tokens per second."""
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
     t = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
+    if prefill:
+        return sum(len(p) for p in prompts) / dt
     return sum(len(r.outputs[0].token_ids) for r in results) / dt
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", nargs="+", default=["1", "8", "32", "mix"])
+    ap.add_argument("--workloads", nargs="+", default=["prefill", "1", "8", "32", "mix"])
+    ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--mix-requests", type=int, default=64)
@@ -85,7 +91,7 @@ def main() -> None:
             for invariant in order:
                 set_mode(invariant)
                 load = os.getloadavg()[0]
-                rate = run_once(llm, *workload(name, args, rng, vocab))
+                rate = run_once(llm, *workload(name, args, rng, vocab), prefill=name == "prefill")
                 rates.setdefault((name, invariant), []).append(rate)
                 print(f"repeat {r + 1} {name:>4s} {'invariant' if invariant else 'before':9s} "
                       f"{rate:8.1f} tok/s  (load average {load:.2f})", flush=True)
@@ -100,4 +106,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     main()

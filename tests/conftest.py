@@ -26,8 +26,8 @@ def require_data(name: str) -> Path:
 
 
 # Kernels, model numerics and greedy texts: their results depend on which instruction set
-# oneDNN and the int8 kernel use (AMX tiles or AVX-512), so `make test` runs them a second
-# time under the other path where this host can emulate it (tests/isa_paths.py).
+# the kernels and oneDNN use (AMX tiles, AVX-512, AVX2), so `make test` runs them again
+# under each path this host can emulate (tests/isa_paths.py).
 ISA_SENSITIVE = ("tests/model/", "tests/e2e/")
 
 
@@ -41,16 +41,20 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     """Which instruction-set path this run's numerics take (issue 29: a bound tuned on one
-    path failed on the other)."""
+    path failed on the other; issue 50: a property held on one path only)."""
     try:
-        from inflight.model.kernels.native_lib import onednn_has_amx
+        import torch
+
+        from inflight.model.kernels.gemm import gemm_path
+        from inflight.model.kernels.native_lib import host_isa, isa_path, onednn_has_amx
+        path, own = isa_path(), host_isa()
+        gemm = {str(d).removeprefix("torch."): gemm_path(d) for d in (torch.bfloat16, torch.float32)}
         amx = onednn_has_amx()
     except Exception as e:  # noqa: BLE001 - a header must not stop the run
         return f"cpu path: unknown ({type(e).__name__})"
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL")
-    return (f"cpu path: oneDNN {'with' if amx else 'without'} AMX tiles (ONEDNN_MAX_CPU_ISA={cap}, "
-            f"INFLIGHT_CPU_AMX={os.environ.get('INFLIGHT_CPU_AMX', '1')}); prompt rows of "
-            f"quantized layers on {'oneDNN' if amx else 'the int8 blocks'}")
+    return (f"cpu path: {path}{' (emulated on an ' + str(own) + ' host)' if path != own else ''}; "
+            f"prompt GEMM {gemm}; oneDNN {'with' if amx else 'without'} AMX tiles "
+            f"(ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'ALL')})")
 
 
 class FakeRunner:

@@ -1,11 +1,16 @@
-"""Run the instruction-set-sensitive tests (``-m isa``) on the path this host did not take.
+"""Run the instruction-set-sensitive tests (``-m isa``) on the host kinds this one can emulate.
 
-`make test` runs the whole suite on the host's own path, then this. On a host whose oneDNN
-has AMX tiles, the path of an AMD EPYC or an older Intel part (AVX-512 with bfloat16 and
-VNNI, no AMX) is emulated by capping oneDNN (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``) and
-keeping the int8 kernel off its tiles (``INFLIGHT_CPU_AMX=0``), so a bound tuned on one
-path cannot pass here and fail there (issue 29). A host without AMX cannot emulate the
-AMX path: it says so and passes (an AMX host's run covers it).
+`make test` runs the whole suite on this host's own path, then this: the isa-marked tests
+again under each path after it in ``native_lib.ISA_PATHS`` (AMX -> AVX-512 -> AVX2), so a
+bound or a property measured on one kind cannot pass here and fail there (issues 29, 50).
+Each run sets ``INFLIGHT_CPU_ISA`` (the kernels built for that path, AMX off, an AVX2
+host's float32 default) and oneDNN's own cap, ``ONEDNN_MAX_CPU_ISA``:
+
+- ``avx512`` (AMD Zen 4, Xeons before AMX): AVX-512 with VNNI and BF16, no AMX tiles;
+- ``avx2`` (AMD Zen 2): the library built for Haswell (AVX2 + FMA + F16C), oneDNN at AVX2.
+
+A path before this host's own cannot be emulated (no AMX on an EPYC): it says which and
+passes; that host kind's own run covers it.
 
 Usage: python tests/isa_paths.py [pytest args...]
 """
@@ -16,20 +21,26 @@ import os
 import subprocess
 import sys
 
-NO_AMX = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "INFLIGHT_CPU_AMX": "0"}
-
 
 def main(argv: list[str]) -> int:
-    from inflight.model.kernels.native_lib import onednn_has_amx
+    from inflight.model.kernels.native_lib import ISA_PATHS, ONEDNN_CAPS, host_isa
 
-    if not onednn_has_amx():
-        print("isa_paths: this host's oneDNN has no AMX tiles; the suite just ran the non-AMX path "
-              "(the AMX path needs an AMX host)")
+    own = host_isa()
+    if own is None:
+        print("isa_paths: this CPU takes none of the paths (no AVX2): nothing to emulate")
         return 0
-    print(f"isa_paths: the isa-marked tests again on the non-AMX path ({' '.join(f'{k}={v}' for k, v in NO_AMX.items())})",
-          flush=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "isa", *argv]
-    return subprocess.call(cmd, env={**os.environ, **NO_AMX})
+    before, after = ISA_PATHS[:ISA_PATHS.index(own)], ISA_PATHS[ISA_PATHS.index(own) + 1:]
+    if before:
+        print(f"isa_paths: this host's path is {own}; {', '.join(before)} cannot be emulated "
+              f"here (a host that has it runs it)")
+    rc = 0
+    for path in after:
+        env = {"INFLIGHT_CPU_ISA": path, "ONEDNN_MAX_CPU_ISA": ONEDNN_CAPS[path]}
+        print(f"isa_paths: the isa-marked tests on the {path} path "
+              f"({' '.join(f'{k}={v}' for k, v in env.items())})", flush=True)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "isa", *argv]
+        rc = subprocess.call(cmd, env={**os.environ, **env}) or rc
+    return rc
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from inflight.host_cpu import STAT_FIELDS, isa_summary, process_ticks
+from inflight.host_cpu import cpu_ticks as _all_cpu_ticks
+
 
 def _cpu_model() -> str | None:
     try:
@@ -38,20 +41,10 @@ def _mem_total_gib() -> float | None:
     return None
 
 
-_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-
-
 def cpu_ticks() -> dict[str, int] | None:
     """Cumulative CPU time of all cores by state, in clock ticks (``/proc/stat``'s ``cpu``
     line: user, nice, system, idle, iowait, irq, softirq, steal); None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            head = f.readline().split()
-    except OSError:
-        return None
-    if not head or head[0] != "cpu":
-        return None
-    return dict(zip(_STAT_FIELDS, map(int, head[1:1 + len(_STAT_FIELDS)])))
+    return _all_cpu_ticks()
 
 
 def cpu_shares(start: dict[str, Any] | None, end: dict[str, Any] | None) -> dict[str, float] | None:
@@ -61,7 +54,7 @@ def cpu_shares(start: dict[str, Any] | None, end: dict[str, Any] | None) -> dict
     a, b = (start or {}).get("cpu_ticks"), (end or {}).get("cpu_ticks")
     if not a or not b:
         return None
-    d = {k: b.get(k, 0) - a.get(k, 0) for k in _STAT_FIELDS}
+    d = {k: b.get(k, 0) - a.get(k, 0) for k in STAT_FIELDS}
     total = sum(d.values())
     if total <= 0:
         return None
@@ -71,40 +64,35 @@ def cpu_shares(start: dict[str, Any] | None, end: dict[str, Any] | None) -> dict
 
 
 def describe_machine() -> dict[str, Any]:
-    """CPU model, logical cores, memory (GiB), OS, Python, 1/5/15-minute load averages, time,
-    and ``cpu_ticks`` (for :func:`cpu_shares` between two snapshots)."""
+    """CPU model, its instruction-set flags (``isa``) and whether it is a virtual machine
+    (``vm``), logical cores, memory (GiB), OS, Python, 1/5/15-minute load averages, time,
+    the thread settings in force (``threads``), and ``cpu_ticks`` (for :func:`cpu_shares`
+    between two snapshots)."""
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
     return {"time": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": _cpu_model(),
-            "cores": os.cpu_count(), "memory_gib": _mem_total_gib(), "os": platform.platform(),
-            "python": platform.python_version(), "loadavg": load, "cpu_ticks": cpu_ticks()}
+            **isa_summary(), "cores": os.cpu_count(), "memory_gib": _mem_total_gib(),
+            "os": platform.platform(), "python": platform.python_version(), "loadavg": load,
+            "threads": thread_settings(), "cpu_ticks": cpu_ticks()}
 
 
-def _process_ticks(pid: int, tree: bool = True) -> int:
-    """User + system CPU ticks of ``pid`` and (``tree``) its descendants (``/proc``); 0
-    where gone."""
-    children: dict[int, list[int]] = {}
-    own: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command's ")": state, ppid, ... utime is field 14 of stat, index 11 here.
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        own[int(entry)] = int(fields[11]) + int(fields[12])
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        total += own.get(p, 0)
-        if tree:
-            todo += children.get(p, [])
-    return total
+# What sets a run's threads and how they wait: two figures taken under different ones are
+# not comparable (issue 51).
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "INFLIGHT_THREADS",
+                   "INFLIGHT_CPU_AMX", "INFLIGHT_CPU_ISA", "ONEDNN_MAX_CPU_ISA")
+
+
+def thread_settings() -> dict[str, str]:
+    """The thread and instruction-set settings in this process's environment (unset ones
+    left out), and the CPUs it may run on."""
+    out = {k: os.environ[k] for k in THREAD_SETTINGS if k in os.environ}
+    try:
+        out["cpus_allowed"] = str(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        pass
+    return out
 
 
 # A host is busy above these (the search's own 10 % tolerance for stolen time; an idle VM
@@ -154,7 +142,7 @@ class HostMonitor:
         self._ours = 0
 
     def _ours_now(self) -> int:
-        return _process_ticks(os.getpid(), tree=False) + sum(_process_ticks(p) for p in set(self.pids))
+        return process_ticks(os.getpid(), tree=False) + sum(process_ticks(p) for p in set(self.pids))
 
     def start(self) -> "HostMonitor":
         self._t0, self._ticks, self._ours = time.monotonic(), cpu_ticks(), self._ours_now()
@@ -165,7 +153,7 @@ class HostMonitor:
         end, ours = cpu_ticks(), self._ours_now()
         if not self._ticks or not end:
             return None
-        d = {k: end.get(k, 0) - self._ticks.get(k, 0) for k in _STAT_FIELDS}
+        d = {k: end.get(k, 0) - self._ticks.get(k, 0) for k in STAT_FIELDS}
         total = sum(d.values())
         if total <= 0:
             return None

@@ -2,8 +2,9 @@
 
 A step's rows are its generated tokens' rows first, then prompt rows (the runner's order,
 ``core.output.split_rows``); ``GENERATED_ROWS`` counts the first. They take the row kernels,
-the rest oneDNN's GEMM, whatever else the step holds: docs/architecture.md, "Batch
-invariance"; "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025).
+the rest the prompt GEMM (``kernels/gemm.c``), whatever else the step holds: docs/
+architecture.md, "Batch invariance"; "Defeating Nondeterminism in LLM Inference" (Thinking
+Machines, 2025).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.kernels import quant_linear, skinny_linear, skinny_max_rows
+from inflight.model.kernels.gemm import gemm_linear, gemm_pack
 from inflight.model.lora import LORA_STEP, add_lora
 from inflight.model.quant import QuantizedWeight
 
@@ -27,50 +29,51 @@ def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 # The leading rows of this step that take the row kernels: a block-quantized Linear's int8
 # kernel (``quant_linear``), a dense one's skinny kernel (``skinny_linear``); the other rows
-# take the dequantized or dense weights through oneDNN's GEMM. The model's forward sets the
-# step's generated (output) tokens' rows (AttentionMetadata.num_generated: decodes, drafts,
-# and output tokens recomputed after a preemption, all placed first by the runner), or every
-# row where prompts are quantized too (``quantized_prompts``). A token thus takes the same
-# path whatever the batch, the chunking, a prefix-cache hit or a preemption, and both paths
-# give a row the same bits whatever rows share its call (each kernel reduces a row alone;
-# oneDNN's GEMM was checked for it: tests/model/test_batch_invariance.py). So greedy output
-# does not depend on who else is in the batch ("Defeating Nondeterminism in LLM
-# Inference", Thinking Machines, 2025). Measured, the int8 kernel is faster than oneDNN's
-# bfloat16 GEMM for a decode step of every size up to 256 rows (docs/performance.md);
-# prompts, hundreds of rows at once, go to oneDNN where it has AMX tiles (about twice the
-# int8 kernel's speed at 128 rows), to the int8 kernel elsewhere (about twice oneDNN's
-# AVX-512 bfloat16 speed there).
+# take the dequantized or dense weights through the prompt GEMM (``gemm_linear``, packed
+# once). The model's forward sets the step's generated (output) tokens' rows
+# (AttentionMetadata.num_generated: decodes, drafts, and output tokens recomputed after a
+# preemption, all placed first by the runner), or every row where prompts are quantized too
+# (``quantized_prompts``). A token thus takes the same path whatever the batch, the
+# chunking, a prefix-cache hit or a preemption, and every path gives a row the same bits
+# whatever rows share its call (each kernel reduces a row alone, in an order fixed by its
+# code: tests/model/test_batch_invariance.py on each CPU path). So greedy output does not
+# depend on who else is in the batch ("Defeating Nondeterminism in LLM Inference", Thinking
+# Machines, 2025). oneDNN's GEMM is not used for it: with AMX tiles it changes a row's bits
+# with the row count (issue 50). Measured, the int8 kernel is faster than a bfloat16 GEMM
+# for a decode step of every size up to 256 rows (docs/performance.md); prompts, hundreds of
+# rows at once, go to the GEMM where it has AMX-BF16 tiles, to the int8 kernel elsewhere.
 GENERATED_ROWS: ContextVar[int] = ContextVar("generated_rows", default=0)
 
 # False: the rule before batch invariance, for benchmarks: a dense Linear's rows go to the
-# skinny kernel when there are at most ``kernels.skinny_max_rows`` of them, else to oneDNN,
-# generated or not.
+# skinny kernel when there are at most ``kernels.skinny_max_rows`` of them, else to oneDNN
+# (its weight reordered on first use), generated or not.
 BATCH_INVARIANT = True
 
 
 class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not followed
-    """``nn.Linear`` whose weight, on CPU, is prepacked once into oneDNN's blocked layout,
-    and optionally also kept in a block format (``quant``, ``--quantization``).
+    """``nn.Linear`` whose weight, on CPU, is also packed once for the prompt GEMM
+    (``kernels.gemm``), and optionally kept in a block format (``quant``,
+    ``--quantization``).
 
-    Plain ``F.linear`` hands oneDNN a row-major weight every call, which it may reorder
-    again each time; a prepacked weight skips that (bit-identical results, measured faster
-    at decode batch sizes: docs/performance.md). With ``quant`` set, ``weight`` holds the
-    blocks' dequantized values and the step's generated rows read the blocks
-    (``GENERATED_ROWS``; ``kernels.quant_linear``). Elsewhere this is ``nn.Linear``.
+    With ``quant`` set, ``weight`` holds the blocks' dequantized values and the step's
+    generated rows read the blocks (``GENERATED_ROWS``; ``kernels.quant_linear``). Without
+    the native library (or off CPU) the prompt rows take oneDNN's prepacked weight (plain
+    ``F.linear`` hands oneDNN a row-major weight it may reorder every call), or
+    ``F.linear``.
     """
 
-    packed: torch.Tensor | None = None
+    gemm_packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN's layout, where gemm_packed is not had
     quant: QuantizedWeight | None = None
     # LoRA slots (``model.lora.LoRASlots``), added to the step's adapter rows.
     lora_a: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None
 
     def prepack(self) -> None:
-        if _can_prepack(self.weight.device, self.weight.dtype):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            except RuntimeError:  # bfloat16 on a CPU oneDNN has no bf16 path for (AVX2)
-                self.packed = None
+        self.packed = None
+        self.gemm_packed = gemm_pack(self.weight) if self.weight.device.type == "cpu" else None
+        if self.gemm_packed is None:
+            self.packed = onednn_pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base(x)
@@ -98,14 +101,38 @@ class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not foll
             return self._gemm(x)
         # Streams the weight once for a decode step's few rows, in groups over blocks of
         # it for many (skinny_linear; None off CPU or for another dtype). It needs no
-        # prepacked weight: a CPU whose oneDNN cannot reorder bfloat16 (AVX2) still gets it.
+        # packed weight: a CPU whose oneDNN cannot reorder bfloat16 (AVX2) still gets it.
         return skinny_linear(x, self.weight, self.bias)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        if not BATCH_INVARIANT and x.dim() == 2 and x.shape[0] <= skinny_max_rows():
-            y = skinny_linear(x, self.weight, self.bias)
+        """Prompt rows: the packed GEMM, a row the same bits in any batch."""
+        if BATCH_INVARIANT and self.gemm_packed is not None and x.dim() == 2 and x.shape[0]:
+            y = gemm_linear(x, self.gemm_packed, self.out_features, self.bias)
             if y is not None:
                 return y
+        return self._onednn(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's GEMM (or the rule before batch invariance's skinny rows): where the
+        library is not built, and for ``benchmarks/batch_invariance.py``'s baseline."""
+        if not BATCH_INVARIANT:
+            if x.dim() == 2 and x.shape[0] <= skinny_max_rows():
+                y = skinny_linear(x, self.weight, self.bias)
+                if y is not None:
+                    return y
+            if self.packed is None:
+                self.packed = onednn_pack(self.weight)
         if self.packed is not None and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` reordered into oneDNN's blocked layout, or None where oneDNN cannot
+    (another device or dtype; bfloat16 on a CPU without a bf16 path, AVX2)."""
+    if not _can_prepack(weight.device, weight.dtype):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:
+        return None

@@ -24,7 +24,7 @@ from inflight.model.attention import AttentionMetadata, paged_attention, write_k
 from inflight.model.hparams import ModelConfig
 from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
                                     rms_norm, silu_and_mul, skinny_max_rows)
-from inflight.model.kernels.native_lib import onednn_has_amx
+from inflight.model.kernels.gemm import gemm_path
 from inflight.model.linear import GENERATED_ROWS, Linear
 from inflight.model.llama_weights import fuse_hf_weights, quantize_fused, set_parameters
 from inflight.model.lora import LORA_STEP
@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         self.all_quantized = bool(linears) and all(m.quant is not None for m in linears)
         self.fused_decode_rows = sys.maxsize if self.all_quantized else skinny_max_rows()
         self.quantized_prompts = (self.all_quantized and self.device.type == "cpu"
-                                  and not onednn_has_amx())
+                                  and gemm_path(self.dtype) != "AMX-BF16")
 
     def _layer_linears(self) -> list[Linear]:
         return [m for layer in self.layers
@@ -210,7 +210,8 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
     # ahead of oneDNN's GEMM for more rows than the skinny one (kernels/__init__.py).
     fused_decode_rows: int = SKINNY_MAX_ROWS
     _step_quant_rows = 0  # the last forward's rule for the LM head (see GENERATED_ROWS)
-    # Prompt rows read the blocks too (a CPU whose oneDNN has no AMX; see GENERATED_ROWS).
+    # Prompt rows read the blocks too (where the prompt GEMM has no AMX-BF16 tiles for the
+    # model's dtype; see GENERATED_ROWS).
     quantized_prompts = False
     # Every decoder layer's linear layers quantized: the one-call path then runs them all
     # on the blocks, so it serves only steps whose rows are all generated tokens.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from inflight.model.kernels.native_lib import quantized_kernels_vectorized
+from inflight.model.kernels.native_lib import isa_path, quantized_kernels_vectorized
 from inflight.model.kv_quant import KV_8BIT_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -59,9 +59,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     decode step is ~1.5x faster than float32 (docs/performance.md). float32 stays the
     exact one: it matches HF's float32 token for token, while bfloat16 rounds at other
     points than HF's bfloat16 and is checked by teacher forcing instead
-    (tests/model/test_bf16_vs_hf.py)."""
+    (tests/model/test_bf16_vs_hf.py). An emulated AVX2 host (``INFLIGHT_CPU_ISA=avx2``)
+    gets an AVX2 host's float32."""
     if dtype == "auto":
-        if device.type == "cuda" or cpu_has_native_bf16():
+        if device.type == "cuda" or (cpu_has_native_bf16() and isa_path() != "avx2"):
             return torch.bfloat16
         return torch.float32
     return _DTYPES[dtype]

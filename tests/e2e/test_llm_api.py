@@ -22,14 +22,15 @@ def quantized_llm():
     return LLM(num_kv_blocks=64, max_num_seqs=4, quantization="gguf")
 
 
-def test_prompts_read_the_blocks_where_onednn_has_no_amx(quantized_llm):
-    """The bundled model's layers are all block-quantized: prompt rows go to oneDNN only
-    where its GEMMs have AMX tiles, else to the int8 kernel like generated rows."""
-    from inflight.model.kernels.native_lib import onednn_has_amx
+def test_prompts_read_the_blocks_where_the_gemm_has_no_amx(quantized_llm):
+    """The bundled model's layers are all block-quantized: prompt rows go to the dense prompt
+    GEMM only where it has AMX-BF16 tiles for the model's dtype, else to the int8 kernel
+    like generated rows."""
+    from inflight.model.kernels.gemm import gemm_path
 
     model = quantized_llm.engine.runner.model
     assert model.all_quantized
-    assert model.quantized_prompts == (not onednn_has_amx())
+    assert model.quantized_prompts == (gemm_path(model.dtype) != "AMX-BF16")
 
 
 @pytest.mark.parametrize("quantized_prompts", [False, True])

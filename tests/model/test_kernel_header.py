@@ -18,7 +18,8 @@ def test_kernels_h_binds_every_exported_function():
                         "paged_prefill_head_dim", "skinny_linear", "quant_linear",
                         "quant_linear_amx", "rms_norm", "silu_and_mul", "decode_layers",
                         "skinny_max_rows", "quant_linear_vectorized",
-                        "paged_prefill_attention_kv8", "lora_add"}
+                        "paged_prefill_attention_kv8", "lora_add", "gemm_packed_size",
+                        "gemm_pack", "gemm_linear", "gemm_path", "gemm_max_path"}
     i, l, f, p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     assert sig["rms_norm"] == (i, [i, p, p, p, l, l, f, l])
     assert sig["silu_and_mul"] == (None, [i, p, p, l, l, l])
@@ -29,6 +30,9 @@ def test_kernels_h_binds_every_exported_function():
     assert sig["reshape_and_cache"] == (i, [i, i, p, l, p, l, p, p, l, l, l, l, l])
     assert sig["quant_linear"] == (i, [i, i, p, p, p, p, p, p, l, l, l, l])
     assert sig["quant_linear_amx"] == (l, [l])
+    # is_bf16, x, packed, bias, y, M, N, K, num_threads
+    assert sig["gemm_linear"] == (i, [i, p, p, p, p, l, l, l, l])
+    assert sig["gemm_max_path"] == (l, [l])
 
 
 def test_unknown_or_unnamed_types_fail_loudly():

@@ -188,14 +188,19 @@ def test_amx_path_equals_the_vnni_path(amx_threshold, fmt, n, k, dtype):
 
 
 def test_inflight_cpu_amx_0_keeps_every_batch_on_vnni(amx_threshold):
-    """``INFLIGHT_CPU_AMX=0`` moves the threshold past any batch; unset or 1 leaves it."""
+    """``INFLIGHT_CPU_AMX=0`` moves the threshold past any batch and keeps the prompt GEMM
+    off its AMX-BF16 tiles; unset or 1 leaves both."""
     lib = native_library()
-    default = amx_threshold(0)
-    apply_amx_setting(lib, {"INFLIGHT_CPU_AMX": "1"})
-    apply_amx_setting(lib, {})
-    assert amx_threshold(0) == default
-    apply_amx_setting(lib, {"INFLIGHT_CPU_AMX": "0"})
-    assert amx_threshold(0) > 1 << 40
+    gemm_cap = lib.gemm_max_path(3)  # as a fresh library has them (an emulated run caps both)
+    amx_threshold(24)
+    try:
+        apply_amx_setting(lib, {"INFLIGHT_CPU_AMX": "1"})
+        apply_amx_setting(lib, {})
+        assert amx_threshold(0) == 24 and lib.gemm_path(1) == 3
+        apply_amx_setting(lib, {"INFLIGHT_CPU_AMX": "0"})
+        assert amx_threshold(0) > 1 << 40 and lib.gemm_path(1) == 2
+    finally:
+        lib.gemm_max_path(gemm_cap)  # the process's other tests keep the host's own paths
 
 
 def test_onednn_has_amx_follows_the_cpu_and_onednn_cap():

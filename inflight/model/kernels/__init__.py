@@ -7,7 +7,9 @@ compiler, a failed build, an unsupported shape) falls back to the PyTorch path, 
   8-bit formats (``kv8.h``, ``model/kv_quant.py``); ``reshape_and_cache``, which quantizes.
 - ``prefill_attention.c``: prefill chunks over the paged cache (AVX-512, head size 64);
   ``prefill_attention_kv8.c``: the same over an 8-bit cache, portable C (GNU vector types).
-- ``linear.c``: the skinny linear layer for decode at batch 1-2.
+- ``linear.c``: the skinny linear layer for generated tokens' rows.
+- ``gemm.c``: the prompt rows' GEMM over a packed dense weight, a row the same bits in any
+  batch (AMX-BF16 tiles, AVX-512, AVX2; wrappers in ``gemm.py``).
 - ``quant_linear.c``: the linear layer over 4- and 8-bit block-quantized weights (ggml's
   Q4_0, Q4_1, Q8_0) for decode steps (``--quantization``; ``model/quant.py``): AVX512-VNNI,
   and AMX-INT8 tiles from 24 rows where the CPU has them.

@@ -32,6 +32,15 @@ int paged_prefill_attention_kv8(int is_bf16, int kv_fmt, const void *q, int64_t 
 int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
                   int64_t M, int64_t N, int64_t K, int64_t num_threads);
 int64_t skinny_max_rows(void);
+/* gemm.c: prompt rows over a packed dense weight, a row the same bits in any batch */
+int64_t gemm_packed_size(int is_bf16, int64_t N, int64_t K);
+int gemm_pack(int is_bf16, const void *w, void *packed, int64_t N, int64_t K);
+int gemm_linear(int is_bf16, const void *x, const void *packed, const void *bias, void *y,
+                int64_t M, int64_t N, int64_t K, int64_t num_threads);
+/* 3 AMX-BF16, 2 AVX-512, 1 AVX2 + FMA, 0 plain C: the path a call in this dtype takes */
+int64_t gemm_path(int is_bf16);
+/* path >= 0: no call takes a path above it. Returns the cap in force before the call. */
+int64_t gemm_max_path(int64_t path);
 /* quant_linear.c */
 int quant_linear_vectorized(void);
 int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void *scales,

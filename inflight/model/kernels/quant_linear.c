@@ -239,8 +239,7 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 /* AMX-INT8 (Sapphire Rapids and later): one tdpbsud multiplies a block of up to 16 input
  * rows by a tile of 16 weight rows (16 x 16 x 32 multiply-adds, signed inputs by unsigned
@@ -250,21 +249,6 @@ static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16
  * vector registers, so they are stored from the tiles and scaled exactly as tile_dot does;
  * the integer sums are exact either way, so the two paths give the same bits. What limits
  * it is that store-and-scale per 16 x 16 x 32 product (ggml's AMX kernels do the same). */
-struct tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Linux hands a process the tile data state only on request; without it the first tile
- * instruction faults (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
-static int amx_permitted(void) {
-    static int state; /* 0: not asked yet, 1: granted, -1: refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return state > 0;
-}
-
-
 /* Up to 32 input rows (A tiles tmm4, tmm5: rows 0-15, 16-31) against up to 32 weight rows
  * (two packed tiles, B tiles tmm6, tmm7), one 32-value block at a time: four tile products
  * into tmm0-3 (C[h][g]: input half h, weight tile g), stored as int32 sums and scaled in
@@ -369,9 +353,7 @@ static void configure_tiles(int64_t M0, int64_t M1) {
     }
     c.rows[4] = (uint8_t)M0, c.colsb[4] = QK;          /* tmm4, tmm5: A */
     c.rows[5] = (uint8_t)M1, c.colsb[5] = M1 ? QK : 0; /* a tile of no rows has no columns */
-    /* an "m" operand of the whole struct: GCC 12 drops the stores before _tile_loadconfig,
-     * which it takes to read one byte */
-    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+    load_tile_config(&c);
 }
 
 /* One thread's share: input rows in chunks of 32, its weight tiles [lo, hi) in pairs. */
