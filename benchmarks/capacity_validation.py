@@ -188,4 +188,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     sys.exit(main())

@@ -116,5 +116,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

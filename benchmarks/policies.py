@@ -503,6 +503,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     try:
         sys.exit(main())
     except KeyboardInterrupt:

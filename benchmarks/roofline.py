@@ -7,9 +7,14 @@ Measures, in one run:
 - from them, the bounds on decode tokens/s: bandwidth-bound at batch 1 (every step reads
   all weights once), compute-bound at large batch (2 FLOPs per weight per token);
 - the engine's steady-state decode tokens/s at batch 1, 8, 32, 64, 128 and its share of
-  each bound.
+  each bound;
+- with ``--gguf``, the same for the default mode (the GGUF's own blocks, ``--quantization
+  gguf``): the bytes a decode step streams are the blocks each linear layer and the LM head
+  hold, and the floor is those bytes over the read bandwidth (issue 51's goal: one stream
+  within 80 % of it).
 
     .venv/bin/python benchmarks/roofline.py --dtypes bfloat16 float32 --batches 1 8 32 64 128
+    .venv/bin/python benchmarks/roofline.py --gguf --dtypes bfloat16 --batches 1
 
 The machine is shared: run it idle, and read the printed load average.
 """
@@ -79,7 +84,11 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    ap.add_argument("--gguf", action="store_true", help="the default mode: the GGUF's blocks")
     args = ap.parse_args()
+    if args.gguf:
+        gguf_floor(args)
+        return
 
     from inflight.model.bundled import find_bundled_model
     from inflight.model.llama import LlamaForCausalLM
@@ -123,5 +132,47 @@ def main() -> None:
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 
+def streamed_bytes(model) -> int:
+    """Bytes a batch-1 decode step reads for the linear layers and the LM head: a layer's
+    blocks (packed values, scales, minimums) where it has them, else its dense weight."""
+    from inflight.model.linear import Linear
+
+    total = 0
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        q = m.quant
+        parts = [m.weight] if q is None else [q.qs, q.scales] + ([] if q.mins is None else [q.mins])
+        total += sum(t.numel() * t.element_size() for t in parts)
+    return total
+
+
+def gguf_floor(args: argparse.Namespace) -> None:
+    """The default mode's decode against its bandwidth floor: the blocks' bytes over the
+    read bandwidth."""
+    from inflight.engine.loading import load_model_and_tokenizer
+    from inflight.model.bundled import find_bundled_model
+
+    reads = read_bandwidth_gbs()
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}; "
+          f"read bandwidth {reads:.1f} GB/s")
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        _, model, _ = load_model_and_tokenizer(find_bundled_model(), dtype, torch.device("cpu"),
+                                               "gguf")
+        nbytes = streamed_bytes(model)
+        floor = reads * 1e9 / nbytes
+        print(f"== {name}, GGUF blocks: {nbytes / 1e6:.1f} MB a step; floor {floor:.0f} tok/s")
+        for batch in args.batches:
+            tps = max(decode_tokens_per_s(model, dtype, batch, args.context, steps=32)
+                      for _ in range(3))
+            print(f"  engine decode batch {batch:4d}: {tps:8.1f} tok/s (best of 3) = "
+                  f"{100 * tps / floor:5.1f}% of the floor" if batch == 1 else
+                  f"  engine decode batch {batch:4d}: {tps:8.1f} tok/s (best of 3)", flush=True)
+        del model
+
+
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     main()

@@ -31,4 +31,6 @@ def main(out: str, num: int, num_docs: int = 16, doc_chars: int = 1700) -> None:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     main(sys.argv[1], int(sys.argv[2]))

@@ -48,4 +48,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     main(sys.argv[1])

@@ -166,4 +166,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     sys.exit(main())

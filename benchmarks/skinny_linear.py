@@ -114,4 +114,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     main()

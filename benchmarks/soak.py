@@ -543,4 +543,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     sys.exit(main())

@@ -333,5 +333,7 @@ async def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from _runs import record_host
+    record_host()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(asyncio.run(main()))

@@ -3,9 +3,9 @@
 Engine flags are spelled as vLLM's (``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--block-size``, ...); see ``EngineConfig.add_cli_args``.
 
-Before anything imports torch, ``main`` bounds how long the model's OpenMP threads spin
-while they wait (``bound_openmp_spin``): a step then slows in proportion to the CPU a busy
-neighbour leaves it instead of collapsing (docs/performance.md, "A busy neighbour").
+How OpenMP's threads wait is left to libgomp (or the user's ``GOMP_SPINCOUNT`` /
+``OMP_WAIT_POLICY``): a busy neighbour is met by the model's thread team, which gives up
+the cores other processes hold (``model/thread_team.py``; docs/performance.md, "Threads").
 """
 
 from __future__ import annotations
@@ -14,22 +14,10 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Container, MutableMapping
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from inflight.bench.simulation import Simulator
-
-# Pause instructions a waiting libgomp thread spins before it sleeps on a futex: about 13 us
-# on this host's EPYC (44 ns a pause). libgomp's own default, 300,000 (13 ms here), keeps a
-# thread spinning on a core a busy neighbour shares while its teammate waits for it at
-# every barrier: one-stream decode fell 6-29x with one core busy, 1.7-1.9x with this bound.
-# The price: a thread that sleeps between two parallel regions is woken for the next, which
-# costs steps on PyTorch's path (3+ rows) 3-10 % on an idle machine; one stream, none.
-DEFAULT_GOMP_SPINCOUNT = "300"
-# Any of these set by the user is their choice of how OpenMP waits; it is left alone.
-_WAIT_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
-
 
 def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from inflight.config import EngineConfig
@@ -89,25 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def bound_openmp_spin(environ: MutableMapping[str, str] = os.environ,
-                      loaded: Container[str] = sys.modules) -> str | None:
-    """Set ``GOMP_SPINCOUNT`` to ``DEFAULT_GOMP_SPINCOUNT`` in ``environ`` unless the user
-    set ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` (even empty), or ``torch`` is already in
-    ``loaded``: PyTorch's libgomp reads both once, when ``import torch`` loads it (GCC's
-    libgomp/env.c), so a later setting would not take effect. Child processes (Ray
-    replicas, a bench's server) inherit it.
-
-    Returns:
-        The value set, or None when ``environ`` was left as it was.
-    """
-    if "torch" in loaded or any(name in environ for name in _WAIT_SETTINGS):
-        return None
-    environ["GOMP_SPINCOUNT"] = DEFAULT_GOMP_SPINCOUNT
-    return DEFAULT_GOMP_SPINCOUNT
-
-
 def main(argv: list[str] | None = None) -> int:
-    bound_openmp_spin()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

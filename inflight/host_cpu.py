@@ -107,3 +107,25 @@ def _stat_fields(pid: int) -> list[str] | None:
 def _own_ticks(pid: int) -> int:
     fields = _stat_fields(pid)
     return 0 if fields is None else int(fields[11]) + int(fields[12])
+
+
+def run_queue_wait_s(pid: int) -> float | None:
+    """Seconds the threads of ``pid`` have spent runnable but waiting for a CPU, summed over
+    its live threads (``/proc/<pid>/task/*/schedstat``, second field, nanoseconds); None
+    where the kernel keeps no such counters (no ``CONFIG_SCHED_INFO``) or off Linux."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total, seen = 0, False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+                seen = True
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9 if seen else None
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -21,6 +21,7 @@ from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.lora import LORA_STEP, Adapter, LoRASlots, LoRAStep
 from inflight.model.pooler import pool_rows
+from inflight.model.thread_team import make_team
 from inflight.profiling import NULL_TIMER
 from inflight.request import Request
 from inflight.sampler import Sampler
@@ -76,6 +77,8 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, kv_cache_dtype, self.device)
                           for _ in range(c.num_hidden_layers)]
         self.step_timer = NULL_TIMER  # the engine hands in its own
+        # CPU threads sized to the cores other processes leave (model/thread_team.py)
+        self.threads = make_team(self.device)
         self.lora_slots: LoRASlots | None = None
         self._lora_adapter: Callable[[int], Adapter] | None = None
 
@@ -95,6 +98,8 @@ class ModelRunner:
         """Run one step; returns the sampled tokens of the requests that completed their
         tokens: one each, or for a request verifying drafts the ones it keeps."""
         FAULTS.check("runner")
+        if self.threads is not None:
+            self.threads.adapt()
         logits, requests, drafts = self.compute_logits(out)
         if not requests:
             return []
