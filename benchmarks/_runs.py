@@ -1,6 +1,6 @@
 """What the benchmarks share: the host a run was on, printed by every benchmark as it starts
 (``record_host``); a bench command run bounded, its output in a log file, with the
-machine's load average before and after (``limit_validation.py``, ``limit_vs_llamacpp.py``);
+machine's load average before and after (``limit_validation.py``, ``limit_vs_peers.py``);
 a free local port for a server they start."""
 
 from __future__ import annotations

@@ -70,6 +70,8 @@ def restore_threads():
 
 
 def scripted_team():
+    # a team of two from two threads, whatever an earlier engine of this process left set
+    torch.set_num_threads(2)
     script = Script()
     sampler = HostSampler(frozenset({0, 1}), reader=script)
     sampler.sample()  # the baseline

@@ -1,20 +1,26 @@
-"""The operating limit of `make serve`'s server against llama.cpp's `llama-server`, on the
-same trace, lengths and SLO, one server at a time, repeated (issue 30, item 5).
+"""The operating limit of `make serve`'s server against the peers' servers, on the same
+trace, lengths and SLO, one server at a time, repeated (issue 30, item 5; issue 51).
 
-Both are measured by the same tool and rules (`inflight bench`): inflight's default server
-with ``bench capacity --calibrate``; llama-server with ``bench tune --knob
-parallel=8,16,32`` (its best ``--parallel``; one tune per GGUF given), whose recommended
-configuration's limit is held. Cycles run inflight, then llama-server, then again, so a
-drift of the machine shows in both. The ratio is best limit against best limit, and per
-cycle.
+All are measured by the same tool and rules (`inflight bench`, reading each server's own
+gauges where it has them): inflight's default server with ``bench capacity --calibrate``;
+llama.cpp's llama-server with ``bench tune --knob parallel=8,16,32`` (its best
+``--parallel``; one tune per GGUF given), whose recommended configuration's limit is held;
+vLLM's CPU server with ``bench capacity`` on the command ``--vllm-cmd`` gives (its own
+venv, environment and flags; the bench adds ``--host`` and ``--port``). Cycles run inflight,
+then the peers, then again, so a drift of the machine shows in all. The ratio is best limit
+against the best peer's, and per cycle.
 
-llama-server is not built here (its build belongs outside the repo): give the binary with
-``--llama-server`` or ``$LLAMA_SERVER``, and its GGUF files with ``--gguf LABEL=PATH``
-(default: the bundled Q4_1 file). Without a binary the benchmark says so and exits 0.
+No peer is built here (their builds belong outside the repo): give llama-server with
+``--llama-server`` or ``$LLAMA_SERVER`` and its GGUF files with ``--gguf LABEL=PATH``
+(default: the bundled Q4_1 file), vLLM with ``--vllm-cmd``. A peer not given is left out;
+with none the benchmark says so and exits 0.
 
-    .venv/bin/python benchmarks/limit_vs_llamacpp.py --llama-server ~/llama.cpp/build/bin/llama-server
-    .venv/bin/python benchmarks/limit_vs_llamacpp.py --llama-server ... --cycles 1 --duration 20 \\
+    .venv/bin/python benchmarks/limit_vs_peers.py --llama-server ~/llama.cpp/build/bin/llama-server
+    .venv/bin/python benchmarks/limit_vs_peers.py --llama-server ... --cycles 1 --duration 20 \\
         --hold 40 --parallel 8,16 --out /tmp/lvl-smoke                          # a smoke run
+    .venv/bin/python benchmarks/limit_vs_peers.py --vllm-cmd "env VLLM_TARGET_DEVICE=cpu \\
+        LD_PRELOAD=.../libiomp5.so .../vllm-venv/bin/python -m vllm.entrypoints.openai.api_server \\
+        --model smollm2-hf-bf16 --dtype bfloat16 --enforce-eager" --cycles 1
 
 Only 127.0.0.1; every run is bounded by ``--command-timeout``; servers are the bench's own.
 """
@@ -49,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hold", type=float, default=120.0, help="s: each limit's hold")
     p.add_argument("--cycles", type=int, default=2)
     p.add_argument("--port", type=int, default=8475)
+    p.add_argument("--vllm-cmd", help="vLLM CPU's serve command, without --host / --port")
     p.add_argument("--out", default=str(REPO / "docs" / "results" / "limit_vs_llamacpp"))
     p.add_argument("--command-timeout", type=float, default=5400.0)
     return p.parse_args(argv)
@@ -87,14 +94,26 @@ def llama_limit(args, d: pathlib.Path, cycle: int, label: str, gguf: str) -> dic
             or [None])[0], "configuration": rec.get("command"), "cycle": cycle, **info}
 
 
+def vllm_limit(args, d: pathlib.Path, cycle: int) -> dict:
+    out = d / f"vllm-{cycle}.json"
+    serve = f"{args.vllm_cmd} --host 127.0.0.1 --port {args.port}"
+    info = run(args, [args.inflight, "--log-level", "warning", "bench", "capacity", "--serve-cmd", serve,
+                      "--rate-start", "2", *common(args), "--save-result", str(out),
+                      "--report", str(d / f"vllm-report-{cycle}")], d / f"vllm-{cycle}.log")
+    res = json.loads(out.read_text())["results"][0] if out.exists() else {"limits": [None], "failed_above": [None]}
+    return {"server": "vLLM CPU", "limit": res["limits"][0], "failed_above": res["failed_above"][0],
+            "configuration": args.vllm_cmd, "cycle": cycle, **info}
+
+
 def _f(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not args.llama_server:
-        print("skipped: give llama-server (--llama-server or $LLAMA_SERVER); nothing to compare")
+    if not args.llama_server and not args.vllm_cmd:
+        print("skipped: give llama-server (--llama-server or $LLAMA_SERVER) or --vllm-cmd; "
+              "nothing to compare")
         return 0
     ggufs = dict(g.split("=", 1) for g in args.gguf)
     if not ggufs:
@@ -106,11 +125,13 @@ def main(argv=None) -> int:
     rows = []
     for cycle in range(args.cycles):
         rows.append(inflight_limit(args, d, cycle))
-        for label, gguf in ggufs.items():
+        for label, gguf in ggufs.items() if args.llama_server else ():
             rows.append(llama_limit(args, d, cycle, label, gguf))
+        if args.vllm_cmd:
+            rows.append(vllm_limit(args, d, cycle))
         (d / "summary.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1, default=str))
     ours = [r["limit"] for r in rows if r["server"].startswith("inflight") and r["limit"]]
-    theirs = [r["limit"] for r in rows if r["server"].startswith("llama") and r["limit"]]
+    theirs = [r["limit"] for r in rows if not r["server"].startswith("inflight") and r["limit"]]
     lines = ["| cycle | server | limit (req/s) | failed at | configuration | wall (min) |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['cycle']} | {r['server']} | {_f(r['limit'])} | {_f(r['failed_above'])} "
