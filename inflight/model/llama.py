@@ -1,14 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral without sliding window) and
-Qwen2 (Q/K/V bias, tied embeddings), over a paged KV cache.
+"""The decoder stack and LM head of every family served (Llama 2/3, SmolLM2, TinyLlama,
+Mistral, Qwen2/3, Phi-3, Gemma 3: ``model/architecture.py``), over a paged KV cache.
 
-References: Touvron et al., "Llama 2" (2023); HF transformers ``modeling_llama.py`` and
-``modeling_qwen2.py`` (the numerics these tests compare against: RMSNorm in float32,
-rotate-half RoPE, SiLU-gated MLP); ``modeling_rope_utils.py`` for llama3 RoPE scaling.
-
-All non-attention work runs on one flattened ``[num_tokens, hidden]`` tensor for the whole
-step (selective batching, Orca OSDI 2022); attention is per request over its blocks
-(``inflight.model.attention``). Q/K/V and gate/up projections are fused at load time
-(``inflight.model.llama_weights``); RoPE is ``inflight.model.rope``.
+References: Touvron et al., "Llama 2" (2023); HF transformers' modeling files (the numerics the
+tests compare against); ``modeling_rope_utils.py`` for llama3 RoPE scaling. The layers are
+``model/layers.py``; Q/K/V and gate/up projections are fused at load time
+(``model/llama_weights``); RoPE is ``model/rope``. A decode step of llama-shaped layers runs
+the whole stack in one native call (``decode_layers.c``).
 """
 
 from __future__ import annotations
@@ -20,102 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model import kv_quant
-from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
+from inflight.model.attention import AttentionMetadata
 from inflight.model.hparams import ModelConfig
 from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
-                                    rms_norm, silu_and_mul, skinny_max_rows)
+                                    skinny_max_rows)
 from inflight.model.kernels.gemm import gemm_path
+from inflight.model.layers import DecoderLayer, RMSNorm
 from inflight.model.linear import GENERATED_ROWS, Linear
 from inflight.model.llama_weights import fuse_hf_weights, quantize_fused, set_parameters
 from inflight.model.lora import LORA_STEP
 from inflight.model.quant import QuantizedWeight
-from inflight.model.rope import apply_rope, rope_inv_freq
-
-
-class RMSNorm(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
-    """RMSNorm (Zhang and Sennrich, 2019) with HF's rounding; ``[..., size]`` in and out."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(x, self.weight, self.eps)  # None off CPU or without the native kernels
-        if y is not None:
-            return y
-        # HF's order: normalize in float32, cast back, then scale. One fused op where the
-        # input is float32 already (the same arithmetic, without six dispatches).
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-
-
-class Attention(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
-    """Self-attention with fused Q/K/V, RoPE and the paged KV cache; ``[T, hidden]`` in
-    and out."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk_size = self.q_size + self.kv_size
-        # Q and K heads are adjacent: one RoPE over both.
-        qk = apply_rope(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads,
-                                              self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        with meta.timer.section("attention"):
-            write_kv(kv_cache, k, v, meta.slot_mapping)
-            o = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o)
-
-
-class MLP(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
-    """The SiLU-gated MLP with fused gate/up; ``[T, hidden]`` in and out."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        h = silu_and_mul(gate_up)  # one native pass on CPU; None elsewhere
-        if h is None:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            h = F.silu(gate) * up
-        return self.down_proj(h)
-
-
-class DecoderLayer(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
-    """Pre-norm attention and MLP blocks, each added to the residual stream."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One pre-norm decoder layer over ``x`` ``[T, hidden]``: attention, then the MLP,
-        each added to the residual stream."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+from inflight.model.rope import rope_inv_freq
 
 
 class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followed
@@ -134,11 +46,25 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         self.dtype = dtype
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                        for i in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                config.arch.norm_scale_in_float32)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.device = torch.device(device)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # windowed layers with a RoPE base of their own (Gemma 3's local layers)
+        self.local_inv_freq: torch.Tensor | None = (
+            None if config.rope_local_theta is None else
+            rope_inv_freq(config, theta=config.rope_local_theta, scaled=False))
+        # the one-call decode path (decode_layers.c) runs Llama's layer: no Q/K norms, no
+        # sandwich norms, SiLU, no window
+        arch = config.arch
+        self.llama_layers = not (arch.qk_norm or arch.sandwich_norms or arch.activation != "silu"
+                                 or arch.norm_scale_in_float32 or config.windowed)
+        # Gemma scales embeddings by sqrt(hidden), the factor rounded to the dtype as HF's is
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5).to(dtype)
+                            if arch.embed_scale else None)
 
     def load_weights(self, state: dict[str, torch.Tensor], quantization: str = "none",
                      blocks: dict[str, tuple[object, torch.Tensor]] | None = None) -> None:
@@ -172,6 +98,8 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = self.inv_freq.to(self.device)
+        if self.local_inv_freq is not None:
+            self.local_inv_freq = self.local_inv_freq.to(self.device)
         self._decode_table = None
         self._attach_quantized(quantized)
 
@@ -197,9 +125,12 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
                 for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
-    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin`` of shape ``[T, 1, head_dim]`` in the model dtype."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+    def rope_cos_sin(self, positions: torch.Tensor, local: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` of shape ``[T, 1, head_dim]`` in the model dtype; ``local``: with
+        the windowed layers' own base (``rope_local_theta``)."""
+        inv_freq = self.local_inv_freq if local and self.local_inv_freq is not None else self.inv_freq
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
@@ -255,7 +186,8 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
     def _decode_in_one_call(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         n = x.shape[0]
-        if (not self.fused_decode or n > self.fused_decode_rows or meta.num_decodes != n
+        if (not self.fused_decode or not self.llama_layers or n > self.fused_decode_rows
+                or meta.num_decodes != n
                 or (self.all_quantized and self._step_quant_rows != n)
                 or meta.timer.enabled or x.device.type != "cpu"):
             return False  # a timed step keeps the modules, so attention can be timed apart
@@ -288,7 +220,10 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         """
         with torch.inference_mode():
             x = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
             cos, sin = self.rope_cos_sin(positions)
+            local = self.rope_cos_sin(positions, local=True) if self.local_inv_freq is not None else None
             # The LM head (compute_logits, next) follows the step's rule too: its first rows
             # are the generated ones (each samples).
             self._step_quant_rows = x.shape[0] if self.quantized_prompts else meta.num_generated
@@ -296,7 +231,8 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
             try:
                 if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):
                     for layer, kv_cache in zip(self.layers, kv_caches):
-                        x = layer(x, cos, sin, kv_cache, meta)
+                        c, s = local if local is not None and layer.self_attn.window else (cos, sin)
+                        x = layer(x, c, s, kv_cache, meta)
             finally:
                 GENERATED_ROWS.reset(token)
             return self.norm(x)

@@ -14,6 +14,7 @@ from inflight.model.quant import QuantFormat, QuantizedWeight, format_of
 __all__ = ["fuse_hf_weights", "quantize_fused", "set_parameters"]
 
 # Fused linear layers and the HF weights each is made of, in order.
+# (A file may hold a fused one whole: Phi-3's qkv_proj and gate_up_proj.)
 _FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 "self_attn.o_proj": ("self_attn.o_proj",),
                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -23,24 +24,30 @@ _FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "
 def fuse_hf_weights(state: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
     """The model's weights by their HF-style names (``model.layers.{i}.self_attn.qkv_proj``,
     ``mlp.gate_up_proj``...) from HF-named ``state``: Q/K/V (and their biases) and gate/up
-    concatenated along the output rows; ``lm_head.weight`` the embeddings where tied or
+    concatenated along the output rows (or taken whole where the file holds them fused); the
+    family's norms (``architecture.py``); ``lm_head.weight`` the embeddings where tied or
     absent.
 
     Raises:
         ValueError: a weight the config needs is missing from ``state``.
     """
     fused: dict[str, torch.Tensor] = {}
+    arch = c.arch
+    norms = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if arch.sandwich_norms:
+        norms += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    if arch.qk_norm:
+        norms += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
-            [_take(state, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        for fused_name, parts in _FUSED_PARTS.items():
+            fused[p + fused_name + ".weight"] = (
+                state[p + fused_name + ".weight"] if p + fused_name + ".weight" in state  # Phi-3
+                else torch.cat([_take(state, p + part + ".weight") for part in parts]))
         if c.attention_bias:
             fused[p + "self_attn.qkv_proj.bias"] = torch.cat(
                 [_take(state, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [_take(state, p + "mlp.gate_proj.weight"), _take(state, p + "mlp.up_proj.weight")])
-        for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight",
-                  "input_layernorm.weight", "post_attention_layernorm.weight"):
+        for n in norms:
             fused[p + n] = _take(state, p + n)
     fused["model.embed_tokens.weight"] = _take(state, "model.embed_tokens.weight")
     fused["model.norm.weight"] = _take(state, "model.norm.weight")
@@ -65,7 +72,9 @@ def quantize_fused(fused: dict[str, torch.Tensor], c: ModelConfig, quantization:
     if quantization not in ("gguf", "q8_0", "q4_0", "q4_1"):
         raise ValueError(f"quantization {quantization!r}: use none, gguf, q8_0, q4_0 or q4_1")
     names = {f"model.layers.{i}.{fused_name}.weight":
-             [f"model.layers.{i}.{p}.weight" for p in parts]
+             [f"model.layers.{i}.{fused_name}.weight"]
+             if f"model.layers.{i}.{fused_name}.weight" in blocks  # fused in the file
+             else [f"model.layers.{i}.{p}.weight" for p in parts]
              for i in range(c.num_hidden_layers) for fused_name, parts in _FUSED_PARTS.items()}
     names["lm_head.weight"] = (["model.embed_tokens.weight"] if c.tie_word_embeddings
                                else ["lm_head.weight"])

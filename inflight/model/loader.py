@@ -2,8 +2,10 @@
 directory (``config.json`` + ``*.safetensors``), into HF-named float tensors.
 
 GGUF tensor names and the Q/K row permutation follow llama.cpp's ``convert_hf_to_gguf.py``
-(``LlamaModel.permute``), which this module inverts so one model implementation
-(``inflight.model.llama``, HF's rotate-half RoPE) serves both sources.
+(``LlamaModel.permute``, Llama-arch files only), which this module inverts so one model
+implementation (``inflight.model.llama``, HF's rotate-half RoPE) serves both sources. Norm
+weights are read as multipliers: a GGUF of Gemma stores ``1 + w``, so its HF folders get
+``norm_offset`` added (``model/architecture.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from inflight.model.architecture import Architecture, from_gguf_arch
 from inflight.model.hparams import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -33,6 +36,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where a family names a layer tensor otherwise: Gemma's ffn_norm is the norm before the MLP
+# and post_attention_norm the one after attention; fused files (Phi-3) hold Q/K/V and
+# gate/up whole.
+_GGUF_FAMILY_NAMES = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm":
+               "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_GGUF_LAYER_NAMES.update({"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"})
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -69,11 +81,10 @@ def read_gguf_config(metadata: dict[str, Any], tensor_names: set[str]) -> ModelC
     """``ModelConfig`` from a GGUF's metadata (``{arch}.*`` keys) and its tensor names.
 
     Raises:
-        ValueError: an architecture other than llama / qwen2.
+        ValueError: an architecture no family of ``model/architecture.py`` reads.
     """
     arch = metadata.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    family = from_gguf_arch(str(arch))
 
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
@@ -85,12 +96,22 @@ def read_gguf_config(metadata: dict[str, Any], tensor_names: set[str]) -> ModelC
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     eos = metadata.get("tokenizer.ggml.eos_token_id")
+    layers = get("block_count")
+    window = get("attention.sliding_window") if family.windowed else None
+    layer_types: tuple[str, ...] = ()
+    local_theta = None
+    if family.name == "gemma3" and window:
+        # llama.cpp's gemma3: every sixth layer global, local layers at RoPE base 10,000 (the
+        # file carries neither; HF's config for the model says the same)
+        layer_types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                            for i in range(layers))
+        local_theta = 10000.0
     return ModelConfig(
-        architecture=arch,
+        architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv") or heads,
         head_dim=get("attention.key_length") or hidden // heads,
@@ -102,6 +123,9 @@ def read_gguf_config(metadata: dict[str, Any], tensor_names: set[str]) -> ModelC
         rope_scaling=scaling,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
+        sliding_window=window or None,
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
     )
 
 
@@ -114,7 +138,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config = read_gguf_config(metadata, {t.name for t in tensors})
     state: dict[str, torch.Tensor] = {}
     for t in tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, config.arch)
         if name is None:
             logger.warning("ignoring unknown GGUF tensor %s", t.name)
             continue
@@ -124,7 +148,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             raise ValueError(f"GGUF tensor {t.name}: type {t.qtype.name} unsupported") from e
         # A copy: unquantized tensors come back as read-only views of the mapped file.
         tensor = torch.from_numpy(np.array(array, dtype=np.float32).reshape(t.shape))
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config.arch.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = (config.num_attention_heads if "q_proj" in name
                       else config.num_key_value_heads)
             tensor = _unpermute_qk(tensor, n_head)
@@ -149,11 +173,11 @@ def read_gguf_blocks(path: str | os.PathLike[str], config: ModelConfig,
     _, tensors = read_gguf_tensors(path)
     blocks: dict[str, tuple[Any, torch.Tensor]] = {}
     for t in tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, config.arch)
         if name is None or t.data.ndim != 2 or (types is not None and t.qtype.name not in types):
             continue
         rows = torch.from_numpy(np.array(t.data, dtype=np.uint8))
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config.arch.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = (config.num_attention_heads if "q_proj" in name
                       else config.num_key_value_heads)
             rows = rows[_qk_row_order(rows.shape[0], n_head)].contiguous()
@@ -161,13 +185,16 @@ def read_gguf_blocks(path: str | os.PathLike[str], config: ModelConfig,
     return blocks
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: Architecture) -> str | None:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+    if m is None:
         return None
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_FAMILY_NAMES.get(arch.name, {})}
+    if m.group(2) not in names:
+        return None
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def _qk_row_order(rows: int, n_head: int) -> torch.Tensor:
@@ -194,4 +221,7 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
+    if config.arch.norm_offset:  # HF's w multiplies as w + offset; the model holds the multiplier
+        for name in [n for n in state if n.endswith("norm.weight")]:
+            state[name] = state[name].float() + config.arch.norm_offset
     return config, state

@@ -19,10 +19,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """The model to load: ``model``, or the bundled SmolLM2-135M GGUF when None."""
+    """The model to load: ``model`` (a path, or a packaged model's short name:
+    ``model.bundled.PACKAGED_MODELS``), or the bundled SmolLM2-135M GGUF when None.
+
+    Raises:
+        FileNotFoundError: a short name whose package is not installed (with its install
+            command).
+    """
+    from inflight.model.bundled import PACKAGED_MODELS, find_bundled_model
     if model is None:
-        from inflight.model.bundled import find_bundled_model
         return find_bundled_model()
+    if model in PACKAGED_MODELS and not Path(model).exists():
+        return PACKAGED_MODELS[model]()
     return Path(model).expanduser()
 
 

@@ -14,17 +14,20 @@ from inflight.model.hparams import ModelConfig
 __all__ = ["apply_rope", "rope_inv_freq"]
 
 
-def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """RoPE inverse frequencies ``[head_dim // 2]`` float32, with the config's scaling.
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None,
+                  theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` float32, with the config's scaling
+    (``scaled``), of base ``theta`` (default the config's ``rope_theta``).
 
     Raises:
         ValueError: an unsupported ``rope_scaling`` type.
     """
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    base = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if freq_factors is not None:  # GGUF stores llama3 scaling as per-dimension divisors
         return (inv_freq / freq_factors.double()).float()
-    scaling = config.rope_scaling or {}
+    scaling = (config.rope_scaling or {}) if scaled else {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):
         pass

@@ -1,4 +1,6 @@
-"""Paged-model logits equal HF transformers' on the same weights (tiny random configs).
+"""Paged-model logits equal HF transformers' on the same weights (tiny random configs of every
+family served: Llama, Mistral with a sliding window, Qwen2, Qwen3, Phi-3, Gemma 3 with
+windowed and global layers mixed; issue 52).
 
 Each sequence runs through the real engine (scheduler, KV blocks of 4 tokens, chunked
 prefill, mixed decode/prefill steps); every logits row the engine samples from is compared
@@ -37,6 +39,17 @@ CONFIGS = {
                                                   tie_word_embeddings=False),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, rope_theta=1000000.0,
                                               tie_word_embeddings=True),
+    # issue 52: windows shorter than the prompts (3, 13, 22 tokens and 12 decodes), so they bind
+    "mistral-window": lambda: transformers.MistralConfig(**COMMON, sliding_window=5,
+                                                         tie_word_embeddings=False),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=False),
+    "phi3": lambda: transformers.Phi3Config(**COMMON, sliding_window=7, pad_token_id=0,
+                                            bos_token_id=1, eos_token_id=2,
+                                            tie_word_embeddings=False),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention",
+                                       "sliding_attention"]),
 }
 
 
@@ -99,7 +112,7 @@ def _run_engine(path, dtype, prompts, max_tokens, device="cpu", **cfg):
 def test_prefill_then_decode_logits_match_hf(tiny_model, dtype, tol, backend, monkeypatch):
     if backend == "torch":  # the fallback every non-CPU device (and a CPU without cc) takes
         monkeypatch.setattr("inflight.model.attention.paged_decode_attention",
-                            lambda *args: None)
+                            lambda *args, **kwargs: None)
     hf, path = tiny_model
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 13, 22)]

@@ -48,7 +48,8 @@ MIN_KEYS_PER_THREAD = 512
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           num_threads: int | None = None) -> torch.Tensor | None:
+                           num_threads: int | None = None,
+                           window: int | None = None) -> torch.Tensor | None:
     """Decode attention over the paged cache with the native kernel.
 
     Args:
@@ -79,7 +80,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         int(q.dtype == torch.bfloat16), kv_quant.format_code(kv_cache), q.data_ptr(),
         kv_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), b, h, h_kv, d, num_blocks, block_size,
-        tables.shape[1], scale, thread_count(num_threads), MIN_KEYS_PER_THREAD)
+        tables.shape[1], scale, thread_count(num_threads), MIN_KEYS_PER_THREAD, window or 0)
     return out if rc == 0 else None
 
 
@@ -100,7 +101,8 @@ PORTABLE_PREFILL_PLAIN = True
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                             num_computed: int, scale: float,
-                            num_threads: int | None = None) -> torch.Tensor | None:
+                            num_threads: int | None = None,
+                            window: int | None = None) -> torch.Tensor | None:
     """Causal attention of one sequence's prefill chunk over the paged cache, read in place:
     ``prefill_attention.c`` over a cache in q's dtype (AVX-512, head size 64), else
     ``prefill_attention_kv8.c`` (portable GNU C vectors, any head size up to 256; an 8-bit
@@ -118,6 +120,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         scale: softmax scale. num_threads: at most this many threads of PyTorch's pool
             (default ``torch.get_num_threads()``), over (KV head, query tile) work items.
             Results do not depend on it.
+        window: a sliding window: token ``i`` sees keys ``num_computed + i - window + 1 ..
+            num_computed + i`` (the portable kernel; tiles still from position 0, so a row
+            is the same bits however the prompt was cut); None: all.
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype (float32 sums, one rounding), or None where
@@ -133,8 +138,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if (lib is None or q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2]
             or q.shape[2] != kv_quant.head_dim_of(kv_cache) or not kv_cache.is_contiguous()):
         return None
-    # A cache in q's dtype: the AVX-512 kernel where it applies, else the portable one.
-    portable = quantized or q.shape[2] != lib.prefill_head_dim
+    # A cache in q's dtype: the AVX-512 kernel where it applies, else the portable one (also
+    # for a sliding window, which only the portable one takes).
+    portable = quantized or q.shape[2] != lib.prefill_head_dim or window is not None
     if portable and not quantized and not PORTABLE_PREFILL_PLAIN:
         return None
     table = block_table.contiguous()
@@ -147,7 +153,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     args = (q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), num_computed, t,
             out.data_ptr(), h, h_kv, d, num_blocks, block_size, scale, thread_count(num_threads))
     is_bf16 = int(q.dtype == torch.bfloat16)
-    rc = (lib.paged_prefill_attention_kv8(is_bf16, kv_quant.format_code(kv_cache), *args)
+    rc = (lib.paged_prefill_attention_kv8(is_bf16, kv_quant.format_code(kv_cache), *args,
+                                          window or 0)
           if portable else lib.paged_prefill_attention(is_bf16, *args))
     return out if rc == 0 else None
 

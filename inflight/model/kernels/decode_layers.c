@@ -149,7 +149,8 @@ int decode_layers(int is_bf16, int kv_fmt, void *x, int64_t M, const int64_t *la
         CHECK(reshape_and_cache(is_bf16, kv_fmt, qkv + H * D * es, qkv_n, qkv + (H + Hkv) * D * es, qkv_n,
                                 kv, slots, M, Hkv, D, num_blocks, BS), -2);
         CHECK(paged_decode_attention(is_bf16, kv_fmt, q, kv, tables, seq_lens, attn, M, H, Hkv, D,
-                                     num_blocks, BS, table_width, scale, num_threads, min_keys),
+                                     num_blocks, BS, table_width, scale, num_threads, min_keys,
+                                     0),
               -3);
         CHECK(linear(is_bf16, w, O_PROJ, NULL, attn, o, M, hidden, H * D, num_threads, &lora, 1),
               -3);

@@ -11,7 +11,7 @@ int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *k
                            const int64_t *tables, const int64_t *seq_lens, void *out,
                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
                            int64_t BS, int64_t M, float scale, int64_t num_threads,
-                           int64_t min_keys);
+                           int64_t min_keys, int64_t window);
 int reshape_and_cache(int is_bf16, int kv_fmt, const void *k, int64_t k_stride, const void *v,
                       int64_t v_stride, void *kv_cache, const int64_t *slots, int64_t T,
                       int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS);
@@ -27,7 +27,7 @@ int paged_prefill_attention_kv8(int is_bf16, int kv_fmt, const void *q, int64_t 
                                 const void *kv_cache, const int64_t *table,
                                 int64_t num_computed, int64_t T, void *out, int64_t H,
                                 int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS,
-                                float scale, int64_t num_threads);
+                                float scale, int64_t num_threads, int64_t window);
 /* linear.c */
 int skinny_linear(int is_bf16, const void *x, const void *w, const void *bias, void *y,
                   int64_t M, int64_t N, int64_t K, int64_t num_threads);

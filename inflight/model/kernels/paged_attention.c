@@ -38,13 +38,14 @@
 #define MAX_D 256
 #define MAX_G 16
 
-/* Each of the G rows of `scores` (len each) replaced by exp(score - its max), and denom[g]
- * set to 1 / the row's sum: the softmax, its division left for the output. */
-static inline void softmax_rows(float *scores, int64_t G, int64_t len, const float *mx,
-                                float *denom) {
+/* Each of the G rows of `scores` (len each, the first `skip` outside the window and left
+ * alone) replaced by exp(score - its max), and denom[g] set to 1 / the row's sum: the
+ * softmax, its division left for the output. */
+static inline void softmax_rows(float *scores, int64_t G, int64_t skip, int64_t len,
+                                const float *mx, float *denom) {
     for (int64_t g = 0; g < G; g++) {
         float sum = 0.f, *sg = scores + g * len;
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = skip; t < len; t++) {
             sg[t] = fast_expf(sg[t] - mx[g]);
             sum += sg[t];
         }
@@ -64,13 +65,14 @@ static inline const float *row_bf16(const uint16_t *row, float *buf, int64_t n) 
     return buf;
 }
 
-/* One (sequence, kv head): G query rows against seq_len keys. DD is the head size: the
+/* One (sequence, kv head): G query rows against the keys at table's positions skip .. len - 1
+ * (skip > 0: a sliding window starts inside the first block). DD is the head size: the
  * runtime D, or a constant (64, 128) so the compiler unrolls the dot products fully.
  * Keys are walked block by block, so no division per key finds its slot. ROW reads a key
  * or value row as float32 (row_f32, row_bf16). */
 #define DEFINE_HEAD(NAME, T, LOAD, ROW, STORE, DD)                                         \
 static void NAME(const T *q, const T *k_base, const T *v_base, const int64_t *table,      \
-                 int64_t len, int64_t G, int64_t D, int64_t BS, float scale,                \
+                 int64_t skip, int64_t len, int64_t G, int64_t D, int64_t BS, float scale,  \
                  float *scores, T *out) {                                                  \
     (void)D;                                                                               \
     float qf[MAX_G][MAX_D] __attribute__((aligned(64)));                                   \
@@ -89,7 +91,7 @@ static void NAME(const T *q, const T *k_base, const T *v_base, const int64_t *ta
         const T *kb = k_base + table[j] * BS * DD;                                         \
         const T *kn = k_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * DD;            \
         const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
-        for (int64_t o = 0; o < n; o++) {                                                  \
+        for (int64_t o = j ? 0 : skip; o < n; o++) {                                       \
             const float *kr = ROW(kb + o * DD, kf, DD);                                     \
             PREFETCH_ROW(kn + o * DD, DD * sizeof(T));                                     \
             for (int64_t g = 0; g < G; g++) {                                              \
@@ -100,12 +102,12 @@ static void NAME(const T *q, const T *k_base, const T *v_base, const int64_t *ta
             }                                                                              \
         }                                                                                  \
     }                                                                                      \
-    softmax_rows(scores, G, len, mx, denom);                                               \
+    softmax_rows(scores, G, skip, len, mx, denom);                                         \
     for (int64_t j = 0; j < num_blocks; j++) {                                             \
         const T *vb = v_base + table[j] * BS * DD;                                         \
         const T *vn = v_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * DD;            \
         const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
-        for (int64_t o = 0; o < n; o++) {                                                  \
+        for (int64_t o = j ? 0 : skip; o < n; o++) {                                       \
             const float *vr = ROW(vb + o * DD, kf, DD);                                     \
             PREFETCH_ROW(vn + o * DD, DD * sizeof(T));                                     \
             for (int64_t g = 0; g < G; g++) {                                              \
@@ -132,8 +134,8 @@ DEFINE_HEAD(head_bf16_128, uint16_t, bf16_to_f32, row_bf16, f32_to_bf16, 128)
 #define DEFINE_HEAD_KV8(NAME, T, LOAD, STORE, DD)                                          \
 static inline __attribute__((always_inline)) void NAME##_body(                             \
         const int fmt, const T *q, const uint8_t *k_base, const uint8_t *v_base,           \
-        const int64_t *table, int64_t len, int64_t G, int64_t D, int64_t BS, float scale,  \
-        float *scores, T *out) {                                                           \
+        const int64_t *table, int64_t skip, int64_t len, int64_t G, int64_t D, int64_t BS, \
+        float scale, float *scores, T *out) {                                              \
     (void)D;                                                                               \
     const int64_t RS = DD + KV8_SCALE_BYTES;                                               \
     float qf[MAX_G][MAX_D] __attribute__((aligned(64)));                                   \
@@ -153,7 +155,7 @@ static inline __attribute__((always_inline)) void NAME##_body(                  
         const uint8_t *kb = k_base + table[j] * BS * RS;                                   \
         const uint8_t *kn = k_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * RS;      \
         const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
-        for (int64_t o = 0; o < n; o++) {                                                  \
+        for (int64_t o = j ? 0 : skip; o < n; o++) {                                       \
             PREFETCH_ROW(kn + o * RS, RS);                                                 \
             const float ks = kv8_load_row(fmt, kb + o * RS, DD, kf);                       \
             for (int64_t g = 0; g < G; g++) {                                              \
@@ -165,12 +167,12 @@ static inline __attribute__((always_inline)) void NAME##_body(                  
             }                                                                              \
         }                                                                                  \
     }                                                                                      \
-    softmax_rows(scores, G, len, mx, denom);                                               \
+    softmax_rows(scores, G, skip, len, mx, denom);                                         \
     for (int64_t j = 0; j < num_blocks; j++) {                                             \
         const uint8_t *vb = v_base + table[j] * BS * RS;                                   \
         const uint8_t *vn = v_base + table[j + 1 < num_blocks ? j + 1 : j] * BS * RS;      \
         const int64_t n = j == num_blocks - 1 ? len - j * BS : BS;                         \
-        for (int64_t o = 0; o < n; o++) {                                                  \
+        for (int64_t o = j ? 0 : skip; o < n; o++) {                                       \
             PREFETCH_ROW(vn + o * RS, RS);                                                 \
             const float vs = kv8_load_row(fmt, vb + o * RS, DD, kf);                       \
             for (int64_t g = 0; g < G; g++) {                                              \
@@ -186,12 +188,14 @@ static inline __attribute__((always_inline)) void NAME##_body(                  
 }                                                                                          \
 /* one copy per format, so the row decoding has no branch and unrolls */                   \
 static void NAME(int fmt, const T *q, const uint8_t *k_base, const uint8_t *v_base,       \
-                 const int64_t *table, int64_t len, int64_t G, int64_t D, int64_t BS,       \
-                 float scale, float *scores, T *out) {                                     \
+                 const int64_t *table, int64_t skip, int64_t len, int64_t G, int64_t D,     \
+                 int64_t BS, float scale, float *scores, T *out) {                          \
     if (fmt == KV_INT8)                                                                    \
-        NAME##_body(KV_INT8, q, k_base, v_base, table, len, G, D, BS, scale, scores, out); \
+        NAME##_body(KV_INT8, q, k_base, v_base, table, skip, len, G, D, BS, scale, scores, \
+                    out);                                                                  \
     else                                                                                   \
-        NAME##_body(KV_FP8, q, k_base, v_base, table, len, G, D, BS, scale, scores, out);  \
+        NAME##_body(KV_FP8, q, k_base, v_base, table, skip, len, G, D, BS, scale, scores,  \
+                    out);                                                                  \
 }
 
 DEFINE_HEAD_KV8(head_kv8_f32, float, ID, ID, D)
@@ -231,10 +235,10 @@ static inline __m512 sum16(__m512 v[16]) {
 }
 
 static void head_bf16_64_dp(const uint16_t *q, const uint16_t *k_base, const uint16_t *v_base,
-                            const int64_t *table, int64_t len, int64_t G, int64_t D,
-                            int64_t BS, float scale, float *scores, uint16_t *out) {
+                            const int64_t *table, int64_t skip, int64_t len, int64_t G,
+                            int64_t D, int64_t BS, float scale, float *scores, uint16_t *out) {
     enum { DD = 64, GR = 4 };  /* GR: query rows per pass over the values */
-    (void)D;
+    (void)D, (void)skip; /* windowed layers take head_bf16_64 (the dispatch below) */
     uint16_t *pb = (uint16_t *)(scores + G * len);  /* weights in bf16, rows of len + 2 */
     const int64_t pstride = (len + 2) & ~(int64_t)1;
     float mx[MAX_G];
@@ -334,32 +338,35 @@ static void head_bf16_64_dp(const uint16_t *q, const uint16_t *k_base, const uin
 #endif
 
 typedef void (*head_f32_fn)(const float *, const float *, const float *, const int64_t *,
-                            int64_t, int64_t, int64_t, int64_t, float, float *, float *);
+                            int64_t, int64_t, int64_t, int64_t, int64_t, float, float *, float *);
 typedef void (*head_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *,
-                             const int64_t *, int64_t, int64_t, int64_t, int64_t, float,
+                             const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                              float *, uint16_t *);
 typedef void (*head_kv8_f32_fn)(int, const float *, const uint8_t *, const uint8_t *,
-                                const int64_t *, int64_t, int64_t, int64_t, int64_t, float,
-                                float *, float *);
+                                const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                float, float *, float *);
 typedef void (*head_kv8_bf16_fn)(int, const uint16_t *, const uint8_t *, const uint8_t *,
-                                 const int64_t *, int64_t, int64_t, int64_t, int64_t, float,
+                                 const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                                  float *, uint16_t *);
 
 /* Returns 0 on success, -1 on unsupported shapes or no memory (the caller falls back to
  * PyTorch). kv_fmt: KV_PLAIN (the cache in q's element type) or an 8-bit format (kv8.h).
- * Up to num_threads threads, fewer so that each has at least min_keys key rows (a
- * sequence's keys once per KV head; a fork costs microseconds, so tiny batches run on the
- * caller's thread). */
+ * window > 0: a sliding window, each query sees its sequence's last `window` keys (the table
+ * read from the block holding the first of them, the keys before it inside that block
+ * skipped); 0: all keys. Up to num_threads threads, fewer so that each has at least
+ * min_keys key rows (a sequence's keys once per KV head; a fork costs microseconds, so tiny
+ * batches run on the caller's thread). */
 int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *kv_cache,
                            const int64_t *tables, const int64_t *seq_lens, void *out,
                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t num_blocks,
                            int64_t BS, int64_t M, float scale, int64_t num_threads,
-                           int64_t min_keys) {
+                           int64_t min_keys, int64_t window) {
     if (D > MAX_D || H % Hkv || H / Hkv > MAX_G) return -1;
     int64_t G = H / Hkv, max_len = 1, total = 0;
     for (int64_t b = 0; b < B; b++) {
-        if (seq_lens[b] > max_len) max_len = seq_lens[b];
-        total += seq_lens[b];
+        const int64_t len = window > 0 && seq_lens[b] > window + BS ? window + BS : seq_lens[b];
+        if (len > max_len) max_len = len;
+        total += len;
     }
     const int64_t head_elems = num_blocks * BS * D;      /* one KV head of K (or V) */
     const int64_t v_offset = Hkv * head_elems;
@@ -371,7 +378,7 @@ int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *k
     head_kv8_bf16_fn k8bf16 =
         D == 64 ? head_kv8_bf16_64 : D == 128 ? head_kv8_bf16_128 : head_kv8_bf16;
 #if defined(__AVX512BF16__)
-    if (D == 64) hbf16 = head_bf16_64_dp;
+    if (D == 64 && window <= 0) hbf16 = head_bf16_64_dp; /* it reads keys from position 0 */
 #endif
     const int64_t work = total * Hkv; /* key rows: each (sequence, KV head) pair reads len */
     int64_t nt = min_keys > 0 ? work / min_keys : num_threads;
@@ -388,7 +395,11 @@ int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *k
          * keys before it: contiguous runs, about work / n keys each. */
         int64_t before = 0;
         for (int64_t i = 0; scores && i < B * Hkv; i++) {
-            const int64_t b = i / Hkv, h = i % Hkv, len = seq_lens[b];
+            const int64_t b = i / Hkv, h = i % Hkv;
+            /* the window's first key: its block starts the table read, the rest skipped */
+            const int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+            const int64_t j0 = first / BS, skip = first - j0 * BS, len = seq_lens[b] - j0 * BS;
+            const int64_t *table = tables + b * M + j0;
             const int64_t owner = before * n / work;
             before += len;
             if (owner != t) continue;
@@ -397,21 +408,21 @@ int paged_decode_attention(int is_bf16, int kv_fmt, const void *q, const void *k
                 const uint8_t *kv = kv_cache;
                 if (is_bf16)
                     k8bf16(kv_fmt, (const uint16_t *)q + qo, kv + h * head_bytes,
-                           kv + Hkv * head_bytes + h * head_bytes, tables + b * M, len, G, D,
+                           kv + Hkv * head_bytes + h * head_bytes, table, skip, len, G, D,
                            BS, scale, scores, (uint16_t *)out + qo);
                 else
                     k8f32(kv_fmt, (const float *)q + qo, kv + h * head_bytes,
-                          kv + Hkv * head_bytes + h * head_bytes, tables + b * M, len, G, D, BS,
+                          kv + Hkv * head_bytes + h * head_bytes, table, skip, len, G, D, BS,
                           scale, scores, (float *)out + qo);
             } else if (is_bf16) {
                 const uint16_t *kv = kv_cache;
                 hbf16((const uint16_t *)q + qo, kv + h * head_elems,
-                      kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS, scale,
+                      kv + v_offset + h * head_elems, table, skip, len, G, D, BS, scale,
                       scores, (uint16_t *)out + qo);
             } else {
                 const float *kv = kv_cache;
                 hf32((const float *)q + qo, kv + h * head_elems,
-                     kv + v_offset + h * head_elems, tables + b * M, len, G, D, BS, scale,
+                     kv + v_offset + h * head_elems, table, skip, len, G, D, BS, scale,
                      scores, (float *)out + qo);
             }
         }

@@ -108,6 +108,7 @@ typedef struct {
     int64_t head_bytes, RS; /* bytes of one head's K (or V) blocks; bytes of a row */
     const int64_t *table;
     int64_t num_computed, T, H, Hkv, G, D, DP, BS, QT;
+    int64_t window; /* > 0: a row at position p sees keys p - window + 1 .. p */
     float scale;
     char *out;
 } job_t;
@@ -197,7 +198,7 @@ static void load_tile(const job_t *j, int64_t h, int64_t j0, int64_t n, scratch_
  * return pv holds each row's weights times the value scales and alpha the factor its
  * accumulator takes. */
 static void softmax_step(const scratch_t *s, int64_t r, int64_t DP, int64_t D, int64_t j0,
-                         float pv[RB][KT], float alpha[RB]) {
+                         int64_t window, float pv[RB][KT], float alpha[RB]) {
     v8f a[RB][KT / VL];
     for (int i = 0; i < RB; i++)
         for (int c = 0; c < KT / VL; c++) a[i][c] = v8_set1(0.f);
@@ -215,11 +216,15 @@ static void softmax_step(const scratch_t *s, int64_t r, int64_t DP, int64_t D, i
     v8f old = v8_set1(0.f), m = old;  /* lane i: row i's max before and after the tile */
     for (int i = 0; i < RB; i++) {
         const int32_t seen = (int32_t)(s->pos[r + i] - j0);  /* keys jj <= seen are visible */
+        /* ... and in a window, keys jj > seen - window (the tile's keys before the row's
+         * window weigh nothing: a row's sums start at its first visible key, and a tile it
+         * sees none of leaves them as they were, bit for bit) */
+        const int32_t before = window > 0 ? (int32_t)(seen - window) : INT32_MIN;
         v8f mi = v8_set1(s->mx[r + i]);
         for (int c = 0; c < KT / VL; c++) {
             const v8i jj = {c * VL, c * VL + 1, c * VL + 2, c * VL + 3, c * VL + 4, c * VL + 5,
                             c * VL + 6, c * VL + 7};
-            vis[i][c] = jj <= seen;
+            vis[i][c] = (jj <= seen) & (jj > before);
             a[i][c] = v8_select(vis[i][c], a[i][c] * v8_load(s->ks + c * VL),
                                 v8_set1(-INFINITY));
             mi = v8_max(mi, a[i][c]);
@@ -269,13 +274,16 @@ static void item(const job_t *j, int64_t h, int64_t i0, int64_t i1, scratch_t *s
     const int64_t rows = (i1 - i0) * j->G, padded = (rows + RB - 1) / RB * RB;
     const int64_t D = j->D, DP = j->DP, last = j->num_computed + i1 - 1;
     load_queries(j, h, i0, rows, padded, s);
-    for (int64_t j0 = 0; j0 <= last; j0 += KT) {
+    /* from the tile holding the first row's first visible key: the tiles before it are
+     * outside every row's window (tiles still start at multiples of KT from position 0) */
+    const int64_t first = j->window > 0 ? j->num_computed + i0 - j->window + 1 : 0;
+    for (int64_t j0 = first > 0 ? first / KT * KT : 0; j0 <= last; j0 += KT) {
         const int64_t n = last + 1 - j0 < KT ? last + 1 - j0 : KT;
         load_tile(j, h, j0, n, s);
         for (int64_t r = 0; r < padded; r += RB) {
             if (s->pos[r + RB - 1] < j0) continue;  /* rows token-major: all in the future */
             float pv[RB][KT], alpha[RB];
-            softmax_step(s, r, DP, D, j0, pv, alpha);
+            softmax_step(s, r, DP, D, j0, j->window, pv, alpha);
             accumulate(s, r, DP, n, pv, alpha);
         }
     }
@@ -309,13 +317,14 @@ static int64_t tile_tokens(int64_t T, int64_t G, int64_t Hkv, int64_t num_thread
  * AVX-512, another head size; a query row's sums then run over keys in tiles of KT from
  * position 0 whatever the chunk, so a prompt's rows are the same bits however it was cut);
  * table: the
- * sequence's block ids; out: [T, H, D] contiguous in q's type. Returns 0, or -1 on an
+ * sequence's block ids; out: [T, H, D] contiguous in q's type; window > 0: a sliding window
+ * (a row at position p sees keys p - window + 1 .. p), 0: none. Returns 0, or -1 on an
  * unsupported shape or format, or when memory ran out. */
 int paged_prefill_attention_kv8(int is_bf16, int kv_fmt, const void *q, int64_t q_stride,
                                 const void *kv_cache, const int64_t *table,
                                 int64_t num_computed, int64_t T, void *out, int64_t H,
                                 int64_t Hkv, int64_t D, int64_t num_blocks, int64_t BS,
-                                float scale, int64_t num_threads) {
+                                float scale, int64_t num_threads, int64_t window) {
     if ((kv_fmt != KV_PLAIN && kv_fmt != KV_INT8 && kv_fmt != KV_FP8) || T < 1 || num_computed < 0 || Hkv < 1
         || H % Hkv || H / Hkv > MAX_G || D < 1 || D > KV8_MAX_D || BS < 1 || num_blocks < 1)
         return -1;
@@ -324,8 +333,8 @@ int paged_prefill_attention_kv8(int is_bf16, int kv_fmt, const void *q, int64_t 
                .esz = is_bf16 ? 2 : 4, .kv = kv_cache,
                .RS = kv_fmt == KV_PLAIN ? D * (is_bf16 ? 2 : 4) : D + KV8_SCALE_BYTES,
                .table = table, .num_computed = num_computed, .T = T, .H = H, .Hkv = Hkv,
-               .G = H / Hkv, .D = D, .DP = (D + VC - 1) / VC * VC, .BS = BS, .scale = scale,
-               .out = out};
+               .G = H / Hkv, .D = D, .DP = (D + VC - 1) / VC * VC, .BS = BS,
+               .window = window, .scale = scale, .out = out};
     j.head_bytes = num_blocks * BS * j.RS;
     j.QT = tile_tokens(T, j.G, Hkv, nt0);
     const int64_t tiles = (T + j.QT - 1) / j.QT, items = Hkv * tiles;
