@@ -119,6 +119,17 @@ class OverloadShedder:
                 self.active = True
         self._was_empty, self._last_step = not waiting, now
 
+    def _settle_idle_spell(self, waiting: list[Request]) -> None:
+        """End overload over an idle spell: the queue was empty at the last step and stayed
+        empty until the oldest of these requests arrived; ``interval`` seconds of that with
+        nothing shed is the load gone. Without it a server that idled right after shedding
+        kept refusing (``observe`` runs after steps only, and each refusal restarted the
+        quiet period a client obeying ``Retry-After`` never let pass)."""
+        if self.active and self._was_empty:
+            since = min((r.arrival_time for r in waiting), default=self._last_step)
+            if since - self.last_shed > self.interval:
+                self.active = False
+
     def shed(self, waiting_in_order: Iterable[Request], running: list[Request], now: float,
              budget: int, protected: Callable[[Request], bool] | None = None,
              ) -> list[tuple[Request, str]]:
@@ -139,11 +150,12 @@ class OverloadShedder:
         until the work predicted ahead of it has drained to ``ttft`` (at least 1): a retry,
         which starts its wait afresh, sent sooner would meet the same queue.
         """
+        waiting_in_order = list(waiting_in_order)
+        self._settle_idle_spell(waiting_in_order)
         if not self.active:
             return []
         assert self.ttft is not None
         model = self.step_model
-        waiting_in_order = list(waiting_in_order)
         ahead = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running)
         step = min(budget, len(running) + ahead
                    + sum(r.num_tokens - r.num_computed_tokens for r in waiting_in_order))

@@ -24,6 +24,7 @@ from inflight.model.placement import resolve_device as resolve_device
 from inflight.model.placement import resolve_dtype as resolve_dtype
 from inflight.model.placement import resolve_kv_cache_dtype as resolve_kv_cache_dtype
 from inflight.model.placement import resolve_model_path as resolve_model_path
+from inflight.model.thread_team import describe_threads, thread_policy
 from inflight.model.placement import resolve_quantization as resolve_quantization
 from inflight.model.quant import QuantFormat
 from inflight.runner import ModelRunner, kv_block_bytes
@@ -203,6 +204,7 @@ def load(config: EngineConfig) -> LoadedModel:
         FileNotFoundError: no such model.
     """
     bound_primitive_caches()  # before the first GEMM: read once, when oneDNN starts
+    thread_policy()  # a bad INFLIGHT_THREADS is refused before the weights load
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
@@ -225,4 +227,5 @@ def load(config: EngineConfig) -> LoadedModel:
                 kv_quant.dtype_name(kv_dtype), blocks, config.block_size,
                 blocks * config.block_size,
                 sum(t.numel() * t.element_size() for t in runner.kv_caches) / 2**20, max_len)
+    logger.info("threads: %s", describe_threads(device))
     return LoadedModel(runner, tokenizer, blocks, max_len, eos)

@@ -101,8 +101,9 @@ def resolve_quantization(quantization: str, path: Path, device: torch.device) ->
         if device.type != "cpu" or not path.is_file():
             return "none"
         if not quantized_kernels_vectorized():
-            logger.info("quantization auto: dense weights (this CPU has neither AVX-512 VNNI "
-                        "nor AVX2, where the block kernels are scalar and slower)")
+            logger.info("quantization auto: dense weights (the native block kernels are off "
+                        "or unbuilt, or this CPU has neither AVX-512 VNNI nor AVX2, where "
+                        "they are scalar and slower)")
             return "none"
         return "gguf"
     if quantization != "none" and device.type != "cpu":

@@ -189,6 +189,18 @@ class ThreadTeam:
         return self.threads
 
 
+def thread_policy(environ: Mapping[str, str] | None = None) -> str:
+    """``INFLIGHT_THREADS``: ``adaptive`` (the default) or ``fixed``.
+
+    Raises:
+        ValueError: any other value (checked at start, before the model loads).
+    """
+    policy = (os.environ if environ is None else environ).get("INFLIGHT_THREADS", "adaptive")
+    if policy not in ("adaptive", "fixed"):
+        raise ValueError(f"INFLIGHT_THREADS={policy!r}: adaptive (the default) or fixed")
+    return policy
+
+
 def make_team(device: torch.device, environ: Mapping[str, str] | None = None) -> ThreadTeam | None:
     """The team for a model on ``device``: None off CPU, or where ``INFLIGHT_THREADS=fixed``
     asks for the thread count to stay as it is.
@@ -196,9 +208,22 @@ def make_team(device: torch.device, environ: Mapping[str, str] | None = None) ->
     Raises:
         ValueError: ``INFLIGHT_THREADS`` other than ``adaptive`` or ``fixed``.
     """
-    policy = (os.environ if environ is None else environ).get("INFLIGHT_THREADS", "adaptive")
-    if policy not in ("adaptive", "fixed"):
-        raise ValueError(f"INFLIGHT_THREADS={policy!r}: adaptive (the default) or fixed")
-    if device.type != "cpu" or policy == "fixed":
+    if device.type != "cpu" or thread_policy(environ) == "fixed":
         return None
     return ThreadTeam()
+
+
+def describe_threads(device: torch.device) -> str:
+    """The start-up line's account of the threads and the CPU path: count, policy, the
+    instruction-set path the kernels take and the prompt GEMM's."""
+    from inflight.model.kernels.gemm import gemm_path
+    from inflight.model.kernels.native_lib import isa_path
+
+    if device.type != "cpu":
+        return f"on {device}"
+    policy = thread_policy()
+    how = ("sized to the cores other processes leave" if policy == "adaptive"
+           else "fixed (INFLIGHT_THREADS=fixed)")
+    return (f"{torch.get_num_threads()} CPU threads, {how}; kernels' path {isa_path()}, "
+            f"prompt GEMM {gemm_path(torch.bfloat16)} (bfloat16) / {gemm_path(torch.float32)} "
+            f"(float32)")

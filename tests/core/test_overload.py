@@ -197,3 +197,25 @@ def test_a_shed_request_is_told_when_the_work_ahead_has_drained():
     err = RequestOutput("q4", "", [1], [], finished=True, shed_reason="overloaded",
                         retry_after=shed[-1].shed_retry_after).failure()
     assert err is not None and err.retry_after == shed[-1].shed_retry_after
+
+
+def test_an_idle_spell_after_shedding_ends_overload():
+    # A burst shed, the queue emptied at the next step, then nothing for a minute: the next
+    # burst (or one long prompt) arriving at the idle server is admitted, not refused by a
+    # standing 503 (a newcomer's finding: each refusal restarted the quiet period).
+    m = _ready_model(a=0.1, b=0.0)
+    s = OverloadShedder(1.0, m, interval=10.0, now=0.0)
+    s.observe(10.5, [_waiting(0.0)], num_shed=0)
+    assert s.active
+    (req, _), = s.shed([Request("late", [1] * 10, P, arrival_time=0.0)], [], 10.5, 100)
+    s.observe(10.6, [], num_shed=1)  # the queue empties right after the shedding
+    assert s.active  # nothing has been quiet for 10 s yet
+    fresh = Request("fresh", [1] * 10, P, arrival_time=70.0)
+    assert s.shed([fresh], [], 70.0, 100) == [] and not s.active
+    # but a queue that empties and refills within the interval stays overloaded
+    s.observe(80.5, [_waiting(70.0)], num_shed=0)
+    assert s.active
+    s.shed([Request("x", [1] * 10, P, arrival_time=70.0)], [], 80.5, 100)
+    s.observe(80.6, [], num_shed=1)
+    s.shed([Request("soon", [1] * 10, P, arrival_time=85.0)], [], 85.0, 100)
+    assert s.active  # 85 - 80.6 < 10 s of quiet
