@@ -166,7 +166,9 @@ def test_overload_sheds_the_tenants_ahead_and_keeps_the_one_behind():
     _step(sched, t)
     sched.policy.counters["heavy"] += 1000
     t[0] = 5.0
-    sched.overload.active = True  # a standing queue (test_overload covers when)
+    # A standing queue that shed a request 0.1 s ago (test_overload covers when): without
+    # the recent shed, the idle spell since t=0 would end overload first.
+    sched.overload.active, sched.overload.last_shed = True, 4.5
     for rid, tenant in (("h1", "heavy"), ("l1", "light")):
         sched.add_request(Request(rid, [1] * 10, long, arrival_time=4.6, tenant=tenant))
     # Both waited 0.4 s and need a 0.3 s step: 0.7 s > 0.5 s. Only heavy's is refused.
