@@ -19,7 +19,7 @@ from inflight.lora.lora_config import LoRAConfig, add_lora_cli_args, lora_config
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3")
 # --quantization (vLLM's flag): model/quant.py; resolved by engine/loading.py.
-QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1")
+QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 DEVICES = ("auto", "cpu", "cuda")
 # Share of available RAM (CPU) or free device memory (CUDA) given to the KV cache when
 # neither ``kv_cache_memory_bytes`` nor ``num_kv_blocks`` is set.

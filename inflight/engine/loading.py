@@ -26,7 +26,7 @@ from inflight.model.placement import resolve_kv_cache_dtype as resolve_kv_cache_
 from inflight.model.placement import resolve_model_path as resolve_model_path
 from inflight.model.thread_team import describe_threads, thread_policy
 from inflight.model.placement import resolve_quantization as resolve_quantization
-from inflight.model.quant import QuantFormat
+from inflight.model.quant import QuantFormat, QuantizedParts
 from inflight.runner import ModelRunner, kv_block_bytes
 from inflight.sampler import Sampler
 
@@ -185,14 +185,23 @@ class LoadedModel:
 
 
 def _describe(model: LlamaForCausalLM, quantization: str) -> str:
-    """``gguf (Q4_1 x 120, Q8_0 x 1)``: the resolved mode and the formats it gave."""
+    """``gguf (Q4_1 x 120, Q8_0 x 1)``: the resolved mode and the formats it gave (a fused
+    layer's parts each), how many fused layers are parts in different formats, and how many
+    linear layers stay dense (a tensor type without a kernel)."""
     from collections import Counter
 
-    kinds = Counter(m.quant.fmt.name for m in model.modules()
-                    if getattr(m, "quant", None) is not None)
+    from inflight.model.linear import Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    kinds = Counter(f.name for m in linears if m.quant is not None
+                    for f in (m.quant.formats if isinstance(m.quant, QuantizedParts) else [m.quant.fmt]))
     if not kinds:
         return quantization
-    return f"{quantization} ({', '.join(f'{k} x {n}' for k, n in sorted(kinds.items()))})"
+    dense = sum(m.quant is None for m in linears)
+    mixed = sum(isinstance(m.quant, QuantizedParts) for m in linears)
+    return (f"{quantization} ({', '.join(f'{k} x {n}' for k, n in sorted(kinds.items()))}"
+            f"{f'; {mixed} fused of mixed parts' if mixed else ''}"
+            f"{f'; {dense} dense' if dense else ''})")
 
 
 def load(config: EngineConfig) -> LoadedModel:

@@ -18,7 +18,7 @@ from torch import nn
 from inflight.model.kernels import quant_linear, skinny_linear, skinny_max_rows
 from inflight.model.kernels.gemm import gemm_linear, gemm_pack
 from inflight.model.lora import LORA_STEP, add_lora
-from inflight.model.quant import QuantizedWeight
+from inflight.model.quant import QuantizedParts, QuantizedWeight
 
 
 def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -64,7 +64,7 @@ class Linear(nn.Linear):  # type: ignore[misc]  # nn.* is Any: torch is not foll
 
     gemm_packed: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's layout, where gemm_packed is not had
-    quant: QuantizedWeight | None = None
+    quant: QuantizedWeight | QuantizedParts | None = None
     # LoRA slots (``model.lora.LoRASlots``), added to the step's adapter rows.
     lora_a: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None

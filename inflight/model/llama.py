@@ -26,7 +26,7 @@ from inflight.model.layers import DecoderLayer, RMSNorm
 from inflight.model.linear import GENERATED_ROWS, Linear
 from inflight.model.llama_weights import fuse_hf_weights, quantize_fused, set_parameters
 from inflight.model.lora import LORA_STEP
-from inflight.model.quant import QuantizedWeight
+from inflight.model.quant import QuantizedParts, QuantizedWeight
 from inflight.model.rope import rope_inv_freq
 
 
@@ -103,7 +103,7 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         self._decode_table = None
         self._attach_quantized(quantized)
 
-    def _attach_quantized(self, quantized: dict[str, QuantizedWeight]) -> None:
+    def _attach_quantized(self, quantized: dict[str, QuantizedWeight | QuantizedParts]) -> None:
         """Prepack every linear layer, give the ``quantized`` ones their blocks, and set the
         paths that follow from which are (``all_quantized``, ``fused_decode_rows``,
         ``quantized_prompts``)."""
@@ -162,7 +162,9 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         # The caches in the model's dtype, or all in one 8-bit format, read as the kernels do.
         kv_ok = (len({kv.dtype for kv in kv_caches}) == 1
                  and (kv_caches[0].dtype == self.dtype or kv_quant.is_8bit(kv_caches[0].dtype)))
-        if (len(kv_caches) == len(self.layers) and kv_ok
+        # (a layer of mixed parts has no one format for the table's columns)
+        one_format = not any(isinstance(m.quant, QuantizedParts) for m in self._layer_linears())
+        if (len(kv_caches) == len(self.layers) and kv_ok and one_format
                 and all(t.device.type == "cpu" and t.is_contiguous() for t in kv_caches)
                 and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
                         for t in tensors)):
@@ -267,6 +269,7 @@ def _linear_columns(name: str, m: Linear) -> dict[str, int]:
         return {name: m.weight.data_ptr(), f"{name}_fmt": 0, f"{name}_scales": 0,
                 f"{name}_mins": 0, **lora}
     q = m.quant
+    assert isinstance(q, QuantizedWeight)  # _decode_layer_table: no table for mixed parts
     return {name: q.qs.data_ptr(), f"{name}_fmt": int(q.fmt),
             f"{name}_scales": q.scales.data_ptr(),
             f"{name}_mins": 0 if q.mins is None else q.mins.data_ptr(), **lora}

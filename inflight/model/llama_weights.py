@@ -8,8 +8,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from inflight.config import QUANTIZATIONS
 from inflight.model.hparams import ModelConfig
-from inflight.model.quant import QuantFormat, QuantizedWeight, format_of
+from inflight.model.quant import QuantFormat, QuantizedParts, QuantizedWeight, format_of
 
 __all__ = ["fuse_hf_weights", "quantize_fused", "set_parameters"]
 
@@ -59,18 +60,20 @@ def fuse_hf_weights(state: dict[str, torch.Tensor], c: ModelConfig) -> dict[str,
 
 
 def quantize_fused(fused: dict[str, torch.Tensor], c: ModelConfig, quantization: str,
-                   blocks: dict[str, tuple[object, torch.Tensor]]) -> dict[str, QuantizedWeight]:
+                   blocks: dict[str, tuple[object, torch.Tensor]],
+                   ) -> dict[str, QuantizedWeight | QuantizedParts]:
     """``{fused weight name: QuantizedWeight}`` for ``load_weights``' ``quantization``: every
     linear layer in the format named (the LM head in Q8_0), or for ``gguf`` the layers whose
-    parts ``blocks`` holds in one format the kernel has, in that format; ``{}`` for ``none``.
+    parts ``blocks`` holds in formats the kernel has, in those (``QuantizedParts`` where a
+    fused layer's parts differ); ``{}`` for ``none``.
 
     Raises:
         ValueError: an unknown ``quantization``.
     """
     if quantization == "none":
         return {}
-    if quantization not in ("gguf", "q8_0", "q4_0", "q4_1"):
-        raise ValueError(f"quantization {quantization!r}: use none, gguf, q8_0, q4_0 or q4_1")
+    if quantization not in QUANTIZATIONS or quantization == "auto":
+        raise ValueError(f"quantization {quantization!r}: use one of {QUANTIZATIONS[1:]}")
     names = {f"model.layers.{i}.{fused_name}.weight":
              [f"model.layers.{i}.{fused_name}.weight"]
              if f"model.layers.{i}.{fused_name}.weight" in blocks  # fused in the file
@@ -78,15 +81,18 @@ def quantize_fused(fused: dict[str, torch.Tensor], c: ModelConfig, quantization:
              for i in range(c.num_hidden_layers) for fused_name, parts in _FUSED_PARTS.items()}
     names["lm_head.weight"] = (["model.embed_tokens.weight"] if c.tie_word_embeddings
                                else ["lm_head.weight"])
-    out: dict[str, QuantizedWeight] = {}
+    out: dict[str, QuantizedWeight | QuantizedParts] = {}
     for name, parts in names.items():
         if quantization == "gguf":
-            kinds = [format_of(blocks[p][0]) if p in blocks else None for p in parts]
-            kind = kinds[0]
-            if kind is None or any(k != kind for k in kinds):
+            kinds = [k for p in parts if p in blocks and (k := format_of(blocks[p][0])) is not None]
+            if len(kinds) < len(parts):
                 continue  # a type the kernel has not: this layer stays dense
-            out[name] = QuantizedWeight.from_blocks(   # fused: the parts' rows, in order
-                kind, np.concatenate([blocks[p][1].numpy() for p in parts]))
+            if len(set(kinds)) == 1:
+                out[name] = QuantizedWeight.from_blocks(   # fused: the parts' rows, in order
+                    kinds[0], np.concatenate([blocks[p][1].numpy() for p in parts]))
+            else:
+                out[name] = QuantizedParts(tuple(QuantizedWeight.from_blocks(k, blocks[p][1].numpy())
+                                                 for k, p in zip(kinds, parts)))
         else:
             fmt = QuantFormat[quantization.upper()]
             out[name] = QuantizedWeight.quantize(

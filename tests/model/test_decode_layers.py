@@ -4,7 +4,8 @@ A tiny random model prefills two prompts through the modules; then decode steps 
 of two sequences run through the C stack on one copy of the KV cache and through the modules
 on another. Hidden states and every layer's cache must match exactly, in float32 and
 bfloat16, with and without a QKV bias (Qwen2), with dense weights and with every block
-format of ``--quantization`` (then for any number of sequences).
+format of ``--quantization`` (then for any number of sequences), and with a GGUF's mix of
+K-quant and legacy formats as Q4_K_M files have them.
 """
 
 from __future__ import annotations
@@ -17,19 +18,39 @@ from inflight.model.attention import AttentionMetadata, PrefillChunk
 from inflight.model.hparams import ModelConfig
 from inflight.model.kernels.native_lib import native_library
 from inflight.model.llama import LlamaForCausalLM
+from inflight.model.quant import QuantFormat, QuantizedParts
 from inflight.profiling import NULL_TIMER, StepTimer
+from tests.model.quant_blocks import sample_blocks
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernels")
 
 BS, NUM_BLOCKS, BLOCKS_PER_SEQ = 4, 120, 6
 
 
+# A Q4_K_M file's choices per projection (llama.cpp's llama-quant.cpp: Q6_K for half the
+# down projections, Q5_0 where a row is not whole 256-value super-blocks), with Q5_K in.
+MIXED_FORMATS = {"q_proj": QuantFormat.Q5_0, "k_proj": QuantFormat.Q5_0,
+                 "v_proj": QuantFormat.Q5_0, "o_proj": QuantFormat.Q4_K,
+                 "gate_proj": QuantFormat.Q5_K, "up_proj": QuantFormat.Q5_K,
+                 "down_proj": (QuantFormat.Q6_K, QuantFormat.Q4_K), "lm_head": QuantFormat.Q8_0}
+
+
 def make_model(dtype, bias, quantization="none"):
-    config = ModelConfig(architecture="llama", vocab_size=101, hidden_size=64,
-                         intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
-                         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, max_position_embeddings=256,
-                         tie_word_embeddings=False, attention_bias=bias)
+    """A tiny random Llama; ``quantization`` ``mixed``: its weights as GGUF blocks in
+    ``MIXED_FORMATS`` (sizes in whole super-blocks), loaded with ``gguf``, the values
+    those blocks hold; ``mixed_parts``: the same with Q8_0 values beside Q5_0 queries and
+    keys in odd layers (fused layers of parts in different formats)."""
+    mixed = quantization.startswith("mixed")
+    formats = dict(MIXED_FORMATS)
+    if quantization == "mixed_parts":
+        formats["v_proj"] = (QuantFormat.Q5_0, QuantFormat.Q8_0)
+    size = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64,
+                vocab_size=160) if mixed else dict(hidden_size=64, intermediate_size=96,
+                                                   num_attention_heads=6, head_dim=16,
+                                                   vocab_size=101)
+    config = ModelConfig(architecture="llama", num_hidden_layers=3, num_key_value_heads=2,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+                         tie_word_embeddings=False, attention_bias=bias, **size)
     model = LlamaForCausalLM(config, dtype=dtype)
     g = torch.Generator().manual_seed(1)
     state = {}
@@ -49,7 +70,23 @@ def make_model(dtype, bias, quantization="none"):
         else:
             hf = name if name.startswith("lm_head") else "model." + name
             state[hf] = torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 1.0)
-    model.load_weights(state, quantization)
+    if not mixed:
+        model.load_weights(state, quantization)
+        return model
+    blocks = {}
+    for i, (name, w) in enumerate(sorted(state.items())):
+        proj = name.rpartition(".weight")[0].rpartition(".")[2]
+        if w.dim() != 2 or proj not in formats:
+            continue
+        fmt = formats[proj]
+        if isinstance(fmt, tuple):  # by layer, as Q4_K_M alternates them
+            fmt = fmt[int(name.split(".")[2]) % 2]
+        rows = sample_blocks(fmt, w.shape[0], w.shape[1], seed=i, scale=0.2)
+        blocks[name] = (fmt.ggml_type, torch.from_numpy(rows))
+        from gguf import quants
+        state[name] = torch.from_numpy(quants.dequantize(rows, fmt.ggml_type).reshape(w.shape))
+    model.load_weights(state, "gguf", blocks)
+    model.dense_state = state  # the values the blocks hold, for a dense twin
     return model
 
 
@@ -97,7 +134,8 @@ PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [2, 7, 1, 8], [28,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantization,batch", [("none", 1), ("none", 2), ("q4_0", 1),
                                                 ("q4_1", 2), ("q8_0", 5), ("q4_1", 5),
-                                                ("q4_0", 18)])  # 18: past skinny's 16 rows
+                                                ("q4_0", 18), ("q5_0", 2), ("q5_1", 5),
+                                                ("mixed", 1), ("mixed", 5)])  # 18: past skinny's 16 rows
 def test_one_call_decode_equals_modules(dtype, bias, quantization, batch, monkeypatch):
     model = make_model(dtype, bias, quantization)
     c = model.config
@@ -173,3 +211,45 @@ def test_one_call_decode_equals_modules_over_an_8bit_cache(dtype, quantization, 
         lens = [n + 1 for n in lens]
         tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mix_of_k_quants_is_ggmls_arithmetic_on_its_dense_twins_values(dtype, monkeypatch):
+    """The mixed model (every linear layer on its blocks) against the same values dense:
+    decode logits equal ggml's arithmetic emulated (the input's int8 blocks times the
+    dequantized weights, tests/e2e/test_quant_model.py) to float32 rounding, and the greedy
+    tokens those of the dense twin except at its near ties (a random model amplifies the
+    int8 blocks' error to a few per cent of the logits' scale, 8.5 % measured, which is why
+    the emulation is the exact check, not a distance to the twin)."""
+    from inflight.model import linear
+    from tests.e2e.test_quant_model import _ggml_arithmetic
+
+    model = make_model(dtype, False, "mixed_parts")
+    quants = [m.quant for m in model.modules() if getattr(m, "quant", None) is not None]
+    parts = [q for q in quants if isinstance(q, QuantizedParts)]
+    assert [q.formats for q in parts] == [(QuantFormat.Q5_0, QuantFormat.Q5_0, QuantFormat.Q8_0)]
+    assert {q.fmt for q in quants if not isinstance(q, QuantizedParts)} == (
+        set(QuantFormat) - {QuantFormat.Q4_0, QuantFormat.Q4_1, QuantFormat.Q5_1})
+    assert model.all_quantized
+    dense = LlamaForCausalLM(model.config, dtype=dtype)
+    dense.load_weights(model.dense_state, "none")
+    c, prompts = model.config, PROMPTS[:4]
+
+    def logits(m):
+        caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim, dtype=dtype)
+                  for _ in range(c.num_hidden_layers)]
+        prefill(m, prompts, caches)
+        hidden = decode(m, [7, 8, 9, 10], [len(p) for p in prompts], caches, fused=False)
+        return m.compute_logits(hidden).double()
+
+    ours, exact = logits(model), logits(dense)
+    monkeypatch.setattr(linear, "quant_linear", _ggml_arithmetic())
+    emulated = logits(model)
+    scale = exact.abs().max().item()
+    # float32: summation order alone; bfloat16: a rounding step of the layers' outputs
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (ours - emulated).abs().max().item() < tol * scale
+    # greedy tokens part from the twin's only where its own margin is inside that error
+    for row in (ours.argmax(-1) != exact.argmax(-1)).nonzero().flatten().tolist():
+        margin = exact[row].max() - exact[row, ours[row].argmax()]
+        assert margin <= 2 * (ours[row] - exact[row]).abs().max(), row

