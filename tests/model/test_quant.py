@@ -131,7 +131,7 @@ def extreme_blocks(fmt: QuantFormat, n: int, k: int) -> np.ndarray:
     largest code), K-quants' integer scales at theirs (63; Q6_K's -128 and 127), signs
     varying by row and value, every float scale 1: the largest products each int8 path must
     sum without saturating."""
-    from inflight.model.quant import _Codes, _encode
+    from inflight.model.block_formats import Codes, encode_blocks
     ends = (np.arange(n)[:, None] + np.arange(k)[None, :]) % 3 != 0
     u = np.where(ends, 255 if fmt == QuantFormat.Q8_0 else (1 << fmt.bits) - 1, 0)
     nd = k // fmt.values_per_row
@@ -142,9 +142,9 @@ def extreme_blocks(fmt: QuantFormat, n: int, k: int) -> np.ndarray:
         if fmt == QuantFormat.Q6_K:
             sub = np.where(np.arange(n)[:, None, None] % 2, 127, -128).astype(np.int8) + np.zeros_like(sub, np.int8)
             sub = sub.view(np.uint8)
-    codes = _Codes(u.astype(np.uint8).reshape(n, -1, 32), ones,
+    codes = Codes(u.astype(np.uint8).reshape(n, -1, 32), ones,
                    ones if fmt.has_min else None, sub)
-    return _encode(fmt, codes).reshape(n, -1)
+    return encode_blocks(fmt, codes).reshape(n, -1)
 
 
 @pytest.mark.parametrize("fmt", list(QuantFormat))
