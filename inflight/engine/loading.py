@@ -40,6 +40,8 @@ def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.devic
     ``quantization`` as resolved by ``resolve_quantization``."""
     from inflight.tokenizer import Tokenizer
 
+    if quantization not in ("none", "gguf") and path.is_file():
+        _warn_requantizing(path, quantization)
     model_config, state = load_model(path)
     blocks = (read_gguf_blocks(path, model_config, {f.name for f in QuantFormat})
               if quantization == "gguf" else None)
@@ -50,6 +52,23 @@ def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.devic
     from inflight.tokenizer import check_chat_template
     check_chat_template(tokenizer, path)  # UnsafeChatTemplateError: refuse to serve it
     return model_config, model, tokenizer
+
+
+def _warn_requantizing(path: Path, quantization: str) -> None:
+    """Say so where ``--quantization q*`` quantizes a GGUF whose weights are blocks already:
+    it starts from their values, so its error adds to the file's (``gguf`` serves the
+    file's own blocks; a higher-bit mode cannot bring back what the file dropped)."""
+    from collections import Counter
+
+    from inflight.model.gguf_file import read_gguf_tensors
+
+    types = Counter(t.qtype.name for t in read_gguf_tensors(path)[1]
+                    if t.data.ndim == 2 and t.qtype.name not in ("F32", "F16", "BF16"))
+    if types:
+        logger.warning("quantization %s: %s holds quantized weights already (%s); %s quantizes "
+                       "their values again, adding its error to the file's (--quantization "
+                       "gguf serves the file's own blocks)", quantization, path.name,
+                       ", ".join(f"{k} x {n}" for k, n in sorted(types.items())), quantization)
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, kv_dtype: torch.dtype,
@@ -185,23 +204,22 @@ class LoadedModel:
 
 
 def _describe(model: LlamaForCausalLM, quantization: str) -> str:
-    """``gguf (Q4_1 x 120, Q8_0 x 1)``: the resolved mode and the formats it gave (a fused
-    layer's parts each), how many fused layers are parts in different formats, and how many
-    linear layers stay dense (a tensor type without a kernel)."""
+    """``gguf (Q4_1 x 120, Q8_0 x 1)``: the resolved mode and its linear layers (modules:
+    fused Q/K/V and gate/up count once) by format, a fused layer whose parts the file keeps
+    in different formats as ``Q5_0+Q8_0``, and how many stay dense (a tensor type without a
+    kernel)."""
     from collections import Counter
 
     from inflight.model.linear import Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    kinds = Counter(f.name for m in linears if m.quant is not None
-                    for f in (m.quant.formats if isinstance(m.quant, QuantizedParts) else [m.quant.fmt]))
+    kinds = Counter("+".join(f.name for f in m.quant.formats) if isinstance(m.quant, QuantizedParts)
+                    else m.quant.fmt.name for m in linears if m.quant is not None)
     if not kinds:
         return quantization
     dense = sum(m.quant is None for m in linears)
-    mixed = sum(isinstance(m.quant, QuantizedParts) for m in linears)
     return (f"{quantization} ({', '.join(f'{k} x {n}' for k, n in sorted(kinds.items()))}"
-            f"{f'; {mixed} fused of mixed parts' if mixed else ''}"
-            f"{f'; {dense} dense' if dense else ''})")
+            f"{f'; {dense} dense' if dense else ''} linear layers)")
 
 
 def load(config: EngineConfig) -> LoadedModel:

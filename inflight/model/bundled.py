@@ -69,5 +69,6 @@ def find_gemma3_270m() -> pathlib.Path:
     return pathlib.Path(assemble()).resolve()
 
 
-# --model's short names for the packaged models.
+# --model's short names for the packaged models; the bundled one, served without --model.
 PACKAGED_MODELS = {"smollm2-135m": find_bundled_model, "gemma3-270m": find_gemma3_270m}
+BUNDLED_SHORT_NAME = "smollm2-135m"

@@ -92,7 +92,7 @@ def run_serve(args: argparse.Namespace, launcher: EngineLauncher | None = None) 
     check_tool_choice_flags(args.tool_call_parser, args.enable_auto_tool_choice)
     template = load_chat_template(args.chat_template) if args.chat_template else None
     tenants = TenantSettings.from_cli_args(args, os.environ.get(API_KEY_ENV))
-    names = args.served_model_name or [default_model_name(launcher.config.model)]
+    names = args.served_model_name or default_model_names(launcher.config.model)
     launcher.prepare(template)
     sock = bind_socket(args.host, args.port)
     try:
@@ -150,12 +150,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def default_model_name(model: str | None) -> str:
-    """vLLM reports the ``--model`` argument; for the bundled GGUF, its model name."""
-    if model is not None:
-        return model
-    from inflight.model.bundled import find_bundled_model
-    return find_bundled_model().name.split(".")[0]
+def default_model_names(model: str | None) -> list[str]:
+    """The names requests may give without ``--served-model-name``, the reported one first:
+    vLLM reports the ``--model`` argument; for no ``--model``, the bundled GGUF's model name
+    (``SmolLM2-135M-Instruct``). A packaged model answers to both its short name and its
+    file's model name, so ``--model smollm2-135m`` serves README's examples too."""
+    from inflight.model.bundled import BUNDLED_SHORT_NAME, PACKAGED_MODELS
+
+    short = BUNDLED_SHORT_NAME if model is None else model
+    if short not in PACKAGED_MODELS:
+        return [short]
+    file_name = PACKAGED_MODELS[short]().name.split(".")[0]
+    return [short, file_name] if model is not None else [file_name, short]
 
 
 def load_chat_template(arg: str) -> str:

@@ -315,3 +315,27 @@ def test_gguf_blocks_of_the_bundled_model_are_its_weights(bundled_model_path):
     assert blocks["model.layers.0.mlp.up_proj.weight"][0] == GGMLQuantizationType.Q4_1
     only = read_gguf_blocks(bundled_model_path, config, {"Q8_0"})  # what the kernel has, only
     assert list(only) == ["model.embed_tokens.weight"]
+
+
+def test_requantizing_a_quantized_gguf_is_said(bundled_model_path, caplog):
+    """``--quantization q8_0`` on the bundled Q4_1 file quantizes the Q4_1 values again (a
+    newcomer read q8_0 as better than the file): the log says so and names the file's types."""
+    import logging
+
+    from inflight.engine.loading import _warn_requantizing
+
+    with caplog.at_level(logging.WARNING, logger="inflight.engine.loading"):
+        _warn_requantizing(bundled_model_path, "q8_0")
+    (record,) = caplog.records
+    assert "(Q4_1 x 210, Q8_0 x 1)" in record.getMessage()  # 30 layers x 7 tensors
+
+
+def test_a_packaged_model_answers_to_its_short_and_its_file_name():
+    """README's examples name the bundled model ``SmolLM2-135M-Instruct``; a server started
+    with ``--model smollm2-135m`` takes that name too (it reported only the short one, and
+    the examples got 404)."""
+    from inflight.server.lifecycle import default_model_names
+
+    assert default_model_names(None) == ["SmolLM2-135M-Instruct", "smollm2-135m"]
+    assert default_model_names("smollm2-135m") == ["smollm2-135m", "SmolLM2-135M-Instruct"]
+    assert default_model_names("/models/x.Q4_K_M.gguf") == ["/models/x.Q4_K_M.gguf"]
