@@ -89,11 +89,7 @@ def from_gguf_arch(arch: str) -> Architecture:
     Raises:
         ValueError: a GGUF architecture no family reads.
     """
-    for a in ARCHITECTURES.values():
-        if arch in a.gguf_arches:
-            return a
-    raise ValueError(f"GGUF architecture {arch!r} is not supported "
-                     f"({', '.join(g for a in ARCHITECTURES.values() for g in a.gguf_arches)})")
+    return _family_naming(arch, "gguf_arches", "GGUF architecture")
 
 
 def from_hf_model_type(model_type: str) -> Architecture:
@@ -102,8 +98,14 @@ def from_hf_model_type(model_type: str) -> Architecture:
     Raises:
         ValueError: a model type no family reads.
     """
+    return _family_naming(model_type, "hf_model_types", "model_type")
+
+
+def _family_naming(name: str, field: str, what: str) -> Architecture:
+    """The family whose ``field`` (a tuple of names) holds ``name``; ValueError naming every
+    name the families read where none does."""
     for a in ARCHITECTURES.values():
-        if model_type in a.hf_model_types:
+        if name in getattr(a, field):
             return a
-    raise ValueError(f"model_type {model_type!r} is not supported "
-                     f"({', '.join(t for a in ARCHITECTURES.values() for t in a.hf_model_types)})")
+    known = ", ".join(n for a in ARCHITECTURES.values() for n in getattr(a, field))
+    raise ValueError(f"{what} {name!r} is not supported ({known})")

@@ -18,9 +18,10 @@ float scale and offset per block, which is what lets one kernel take them all:
   quantizer, ggml's ``quantize_row_*_ref``, the one ``llama-quantize`` runs without an
   importance matrix (the legacy formats; the package has no K-quant quantizer).
 
-Decode steps of a few rows run on the packed blocks (a third of the bytes of bfloat16 at
-4 bits); steps with more rows run oneDNN's GEMM on the dequantized values, so both paths
-compute with the same weights (``QuantizedWeight.dequantize``).
+Generated tokens' rows run on the packed blocks (a third of the bytes of bfloat16 at 4
+bits); prompt rows run the prompt GEMM on the dequantized values where it has AMX-BF16 tiles,
+the blocks elsewhere (``linear.GENERATED_ROWS``), so both paths compute with the same weights
+(``QuantizedWeight.dequantize``). ggml's formats themselves: ``block_formats.py``.
 """
 
 from __future__ import annotations

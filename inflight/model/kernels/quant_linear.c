@@ -123,7 +123,8 @@ static float round_to_half(float f) {
  * (ggml-cpu's quantize_row_q8_0 on x86, to the bit): d = amax / 127 (kept as float16),
  * q = round-to-nearest-even(x * (127 / amax)). True divisions: the attribute keeps
  * -freciprocal-math from turning them into products. Also each block's offset correction
- * -o sx, that of its first 16 values (Q6_K's halves) and dx sx (for minimums). */
+ * -o sx, that of its first 16 values (Q6_K's halves; the whole block's for the other formats,
+ * whose sums take it in one piece) and dx sx (for minimums). */
 __attribute__((optimize("no-reciprocal-math")))
 static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int64_t M, int8_t *q,
                          float *dx, int32_t *corr, int32_t *corr_lo, float *dxsx) {
@@ -144,7 +145,7 @@ static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int64_t
             /* cvtps rounds to nearest even (MXCSR's default), as ggml's round-then-convert */
             const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
             _mm_storeu_si128((__m128i *)(q + b * M * QK + 16 * h), _mm512_cvtsepi32_epi8(qi));
-            if (h == 0) sum_lo = _mm512_reduce_add_epi32(qi);
+            if (fmt == Q6_K && h == 0) sum_lo = _mm512_reduce_add_epi32(qi);
             s = _mm512_add_epi32(s, qi);
         }
         sum = _mm512_reduce_add_epi32(s);
@@ -169,10 +170,12 @@ static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int64_t
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
-        __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(qi[0], qi[1])),
-                                   _mm256_extracti128_si256(_mm256_add_epi32(qi[0], qi[1]), 1));
-        l4 = _mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0x4e));
-        sum_lo = _mm_cvtsi128_si32(_mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0xb1)));
+        if (fmt == Q6_K) {
+            const __m256i lo = _mm256_add_epi32(qi[0], qi[1]);
+            __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+            l4 = _mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0x4e));
+            sum_lo = _mm_cvtsi128_si32(_mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0xb1)));
+        }
         /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order */
         const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
         _mm256_storeu_si256((__m256i *)(q + b * M * QK),
@@ -194,7 +197,7 @@ static void quantize_row(int fmt, int is_bf16, const void *x, int64_t K, int64_t
 #endif
         dx[b * M] = round_to_half(amax / 127.f);
         corr[b * M] = -off * sum;
-        corr_lo[b * M] = -off * sum_lo;
+        corr_lo[b * M] = -off * (fmt == Q6_K ? sum_lo : sum); /* the rest: corr - corr_lo = 0 */
         dxsx[b * M] = dx[b * M] * (float)sum;
     }
 }
