@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -34,10 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.device,
-                             quantization: str = "none",
+                             quantization: str = "none", repack: bool = True,
                              ) -> tuple[ModelConfig, LlamaForCausalLM, Any]:
     """``(model_config, model, tokenizer)`` for a GGUF file or HF directory;
-    ``quantization`` as resolved by ``resolve_quantization``."""
+    ``quantization`` as resolved by ``resolve_quantization``; ``repack`` as
+    ``LlamaForCausalLM.load_weights`` takes it."""
     from inflight.tokenizer import Tokenizer
 
     if quantization not in ("none", "gguf") and path.is_file():
@@ -46,8 +48,9 @@ def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.devic
     blocks = (read_gguf_blocks(path, model_config, {f.name for f in QuantFormat})
               if quantization == "gguf" else None)
     model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
-    model.load_weights(state, quantization, blocks)
+    model.load_weights(state, quantization, blocks, repack)
     del state, blocks
+    release_freed_memory()  # the float state and the dense weights the blocks replace
     tokenizer = Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
     from inflight.tokenizer import check_chat_template
     check_chat_template(tokenizer, path)  # UnsafeChatTemplateError: refuse to serve it
@@ -172,6 +175,16 @@ def activation_bytes(model_config: ModelConfig, config: EngineConfig) -> int:
     return 2 * 4 * (t * per_token + scores + logits)
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``): the load's
+    transient float tensors are freed into malloc's arenas, which keep them, so without it
+    the resident size stays at the load's peak. A no-op off glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _available_ram() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -203,11 +216,13 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
-def _describe(model: LlamaForCausalLM, quantization: str) -> str:
-    """``gguf (Q4_1 x 120, Q8_0 x 1)``: the resolved mode and its linear layers (modules:
-    fused Q/K/V and gate/up count once) by format, a fused layer whose parts the file keeps
-    in different formats as ``Q5_0+Q8_0``, and how many stay dense (a tensor type without a
-    kernel)."""
+def _describe(model: LlamaForCausalLM, quantization: str, path: Path) -> str:
+    """``gguf (Q4_1 x 120, Q8_0 x 1 linear layers; weights 94 MiB, 1.00x the file)``: the
+    resolved mode and its linear layers (modules: fused Q/K/V and gate/up count once) by
+    format, a fused layer whose parts the file keeps in different formats as
+    ``Q5_0+Q8_0``, how many stay dense (a tensor type without a kernel), and the bytes the
+    weights hold (``LlamaForCausalLM.weight_bytes``), against a GGUF file's size, naming
+    a bfloat16 copy for the prompt GEMM where one is kept (``--no-repack`` drops it)."""
     from collections import Counter
 
     from inflight.model.linear import Linear
@@ -215,11 +230,17 @@ def _describe(model: LlamaForCausalLM, quantization: str) -> str:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     kinds = Counter("+".join(f.name for f in m.quant.formats) if isinstance(m.quant, QuantizedParts)
                     else m.quant.fmt.name for m in linears if m.quant is not None)
+    held = model.weight_bytes()
+    size = f"weights {sum(held.values()) / 2**20:.0f} MiB"
+    if path.is_file():
+        size += f", {sum(held.values()) / path.stat().st_size:.2f}x the file"
+    if held["packed"]:
+        size += f", {held['packed'] / 2**20:.0f} MiB of them packed for the prompt GEMM"
     if not kinds:
-        return quantization
+        return f"{quantization}; {size}"
     dense = sum(m.quant is None for m in linears)
     return (f"{quantization} ({', '.join(f'{k} x {n}' for k, n in sorted(kinds.items()))}"
-            f"{f'; {dense} dense' if dense else ''} linear layers)")
+            f"{f'; {dense} dense' if dense else ''} linear layers; {size})")
 
 
 def load(config: EngineConfig) -> LoadedModel:
@@ -240,7 +261,8 @@ def load(config: EngineConfig) -> LoadedModel:
     path = resolve_model_path(config.model)
     quantization = resolve_quantization(config.quantization, path, device)
     t0 = time.monotonic()
-    model_config, model, tokenizer = load_model_and_tokenizer(path, dtype, device, quantization)
+    model_config, model, tokenizer = load_model_and_tokenizer(path, dtype, device, quantization,
+                                                             config.repack)
     blocks = num_kv_blocks(config, model_config, kv_dtype, device)
     # Before the KV tensors are allocated: a refusal should not first take the memory.
     max_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
@@ -250,7 +272,7 @@ def load(config: EngineConfig) -> LoadedModel:
     logger.info("loaded %s (%s, %s, quantization %s, on %s) in %.1f s; KV cache %s: %d blocks "
                 "x %d tokens = %d tokens (%.1f MiB); max_model_len %d", path.name,
                 model_config.architecture, str(dtype).removeprefix("torch."),
-                _describe(model, quantization), device, time.monotonic() - t0,
+                _describe(model, quantization, path), device, time.monotonic() - t0,
                 kv_quant.dtype_name(kv_dtype), blocks, config.block_size,
                 blocks * config.block_size,
                 sum(t.numel() * t.element_size() for t in runner.kv_caches) / 2**20, max_len)

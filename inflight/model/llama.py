@@ -23,8 +23,9 @@ from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decod
                                     skinny_max_rows)
 from inflight.model.kernels.gemm import gemm_path
 from inflight.model.layers import DecoderLayer, RMSNorm
-from inflight.model.linear import GENERATED_ROWS, Linear
-from inflight.model.llama_weights import fuse_hf_weights, quantize_fused, set_parameters
+from inflight.model.linear import GENERATED_ROWS, Embedding, Linear
+from inflight.model.llama_weights import (embedding_blocks, fuse_hf_weights, quantize_fused,
+                                          set_parameters)
 from inflight.model.lora import LORA_STEP
 from inflight.model.quant import QuantizedParts, QuantizedWeight
 from inflight.model.rope import rope_inv_freq
@@ -45,7 +46,7 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         self.config = config
         self.dtype = dtype
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(DecoderLayer(config, i)
                                         for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
@@ -67,7 +68,8 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
                             if arch.embed_scale else None)
 
     def load_weights(self, state: dict[str, torch.Tensor], quantization: str = "none",
-                     blocks: dict[str, tuple[object, torch.Tensor]] | None = None) -> None:
+                     blocks: dict[str, tuple[object, torch.Tensor]] | None = None,
+                     repack: bool = True) -> None:
         """Load HF-named weights (``inflight.model.loader``), fusing Q/K/V and gate/up.
 
         Args:
@@ -75,10 +77,16 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
             quantization: ``none``; ``gguf`` to keep the file's own block formats
                 (``blocks``) where the kernel has them; ``q8_0``, ``q4_0``, ``q4_1`` to
                 quantize every linear layer (the LM head at 8 bits, as llama.cpp keeps the
-                output layer at 6 or more). A quantized layer's dense weight holds the
-                dequantized values, so every path computes with the same weights.
+                output layer at 6 or more). Where the block kernels serve every row, a
+                quantized layer keeps only its blocks, and the token embeddings are read
+                from the tied LM head's blocks (or the file's own); elsewhere its dense
+                weight holds the dequantized values (``linear.Linear``).
             blocks: for ``gguf``, HF names to ``(ggml type, uint8 rows)`` of the file's
                 tensors (``loader.load_model(..., keep_blocks=True)``).
+            repack: where the prompt GEMM has AMX-BF16 tiles, keep a bfloat16 copy of each
+                quantized decoder layer packed for it (1.6x the prefill throughput on Gemma 3
+                270M; two bytes a weight more); False: the blocks alone (llama.cpp's
+                ``--no-repack``).
 
         Raises:
             ValueError: a missing tensor, a shape that does not match the config, or an
@@ -101,24 +109,59 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         if self.local_inv_freq is not None:
             self.local_inv_freq = self.local_inv_freq.to(self.device)
         self._decode_table = None
-        self._attach_quantized(quantized)
+        head = quantized.get("lm_head.weight")
+        self._attach_quantized(quantized, repack and gemm_path(self.dtype) == "AMX-BF16")
+        self.embed_tokens.set_blocks(
+            head if c.tie_word_embeddings and isinstance(head, QuantizedWeight)
+            else embedding_blocks(blocks or {}) if quantization == "gguf" else None)
 
-    def _attach_quantized(self, quantized: dict[str, QuantizedWeight | QuantizedParts]) -> None:
-        """Prepack every linear layer, give the ``quantized`` ones their blocks, and set the
-        paths that follow from which are (``all_quantized``, ``fused_decode_rows``,
+    def _attach_quantized(self, quantized: dict[str, QuantizedWeight | QuantizedParts],
+                          repack: bool) -> None:
+        """Give the ``quantized`` linear layers their blocks, prepack every linear layer
+        (``repack``: the decoder layers' quantized ones get a copy for the prompt GEMM), and
+        set the paths that follow (``all_quantized``, ``fused_decode_rows``,
         ``quantized_prompts``)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
                 module.quant = None
         for name, qw in quantized.items():
             module = self.get_submodule(name.removeprefix("model.").rpartition(".")[0])
             module.quant = qw
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack(repack and module is not self.lm_head)
         linears = self._layer_linears()
         self.all_quantized = bool(linears) and all(m.quant is not None for m in linears)
         self.fused_decode_rows = sys.maxsize if self.all_quantized else skinny_max_rows()
-        self.quantized_prompts = (self.all_quantized and self.device.type == "cpu"
-                                  and gemm_path(self.dtype) != "AMX-BF16")
+        self.quantized_prompts = self.all_quantized and all(
+            m.blocks_only and m.gemm_packed is None for m in linears)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes the weights hold, each storage once (a tied LM head's blocks serve the
+        embeddings too): ``blocks`` (block-quantized layers), ``dense`` (parameters and
+        buffers with storage: norms, dense layers, RoPE tables), ``packed`` (copies for the
+        prompt GEMM or oneDNN)."""
+        seen: set[int] = set()
+        out = {"blocks": 0, "dense": 0, "packed": 0}
+
+        def add(kind: str, t: torch.Tensor | None) -> None:
+            if t is None or t.is_meta:
+                return
+            if t.is_mkldnn:  # oneDNN's opaque layout: no storage to name
+                out[kind] += t.numel() * t.element_size()
+            elif t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                out[kind] += t.untyped_storage().nbytes()
+        for m in self.modules():
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                add("dense", t)
+            quant = getattr(m, "quant", None)
+            for part in (() if quant is None else getattr(quant, "parts", (quant,))):
+                for t in (part.qs, part.scales, part.mins):
+                    add("blocks", t)
+            add("packed", getattr(m, "gemm_packed", None))
+            add("packed", getattr(m, "packed", None))
+        return out
 
     def _layer_linears(self) -> list[Linear]:
         return [m for layer in self.layers
@@ -158,7 +201,8 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         if self._decode_table is not None and self._decode_table[0] is kv_caches:
             return self._decode_table[1]
         table = None
-        tensors = [p for layer in self.layers for p in layer.parameters()]
+        # (a layer whose blocks are its weight keeps a meta tensor of the weight's shape)
+        tensors = [p for layer in self.layers for p in layer.parameters() if not p.is_meta]
         # The caches in the model's dtype, or all in one 8-bit format, read as the kernels do.
         kv_ok = (len({kv.dtype for kv in kv_caches}) == 1
                  and (kv_caches[0].dtype == self.dtype or kv_quant.is_8bit(kv_caches[0].dtype)))
@@ -244,10 +288,10 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         """``[num_rows, hidden]`` -> ``[num_rows, vocab_size]`` float32 logits of the rows of
         the last ``forward`` (its rule for generated rows applies: the first
         ``generated_rows`` of ``hidden`` are generated tokens' rows, default the forward's
-        count), or with ``prompt_rows`` of prompt positions only (prompt logprobs), always
-        through the dense LM head: where ``quantized_prompts`` sends the forward's prompt
-        rows through the blocks, their logprobs still come from the dense weights, the
-        more exact of the two."""
+        count), or with ``prompt_rows`` of prompt positions only (prompt logprobs), through
+        the dense LM head where one is kept (the more exact of the two), else its blocks: a
+        block-quantized LM head whose kernels serve every row keeps no dense copy
+        (``Linear.blocks_only``), so every row of it, sampled or scored, reads the blocks."""
         rows = self._step_quant_rows
         if generated_rows is not None and not self.quantized_prompts:
             rows = generated_rows

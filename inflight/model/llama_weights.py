@@ -100,6 +100,19 @@ def quantize_fused(fused: dict[str, torch.Tensor], c: ModelConfig, quantization:
     return out
 
 
+def embedding_blocks(blocks: dict[str, tuple[object, torch.Tensor]]) -> QuantizedWeight | None:
+    """The file's token embeddings as blocks (``gguf``, a model whose LM head is not tied to
+    them), where the kernels have the tensor's format; else None (they stay dense)."""
+    entry = blocks.get("model.embed_tokens.weight")
+    fmt = None if entry is None else format_of(entry[0])
+    if entry is None or fmt is None:
+        return None
+    try:
+        return QuantizedWeight.from_blocks(fmt, entry[1].numpy())
+    except ValueError:  # rows that are not whole blocks of the format
+        return None
+
+
 def set_parameters(model: nn.Module, fused: dict[str, torch.Tensor], device: torch.device,
                    dtype: torch.dtype) -> None:
     """Make each of ``fused`` (``model.``-prefixed names allowed) the parameter of that name

@@ -22,35 +22,45 @@ def quantized_llm():
     return LLM(num_kv_blocks=64, max_num_seqs=4, quantization="gguf")
 
 
-def test_prompts_read_the_blocks_where_the_gemm_has_no_amx(quantized_llm):
-    """The bundled model's layers are all block-quantized: prompt rows go to the dense prompt
-    GEMM only where it has AMX-BF16 tiles for the model's dtype, else to the int8 kernel
-    like generated rows."""
+def test_prompts_read_the_blocks_unless_a_copy_is_packed_for_them(quantized_llm):
+    """The bundled model's layers are all block-quantized and keep only their blocks;
+    prompt rows go to a bfloat16 copy packed for the prompt GEMM only where it has AMX-BF16
+    tiles for the model's dtype (``repack``, the default), else to the int8 kernel like
+    generated rows. The LM head keeps no copy."""
     from inflight.model.kernels.gemm import gemm_path
 
     model = quantized_llm.engine.runner.model
-    assert model.all_quantized
-    assert model.quantized_prompts == (gemm_path(model.dtype) != "AMX-BF16")
+    amx = gemm_path(model.dtype) == "AMX-BF16"
+    assert model.all_quantized and model.quantized_prompts == (not amx)
+    assert all(m.blocks_only and (m.gemm_packed is not None) == amx
+               for m in model._layer_linears())
+    assert model.lm_head.blocks_only and model.lm_head.gemm_packed is None
 
 
-@pytest.mark.parametrize("quantized_prompts", [False, True])
-def test_prompt_rows_take_the_path_the_rule_names(quantized_llm, monkeypatch, quantized_prompts):
-    """Whatever this CPU would choose: with the rule on, a prompt's rows go through the
-    block kernel in the prefill step; off, only generated rows do (prompts on oneDNN)."""
+@pytest.mark.parametrize("repacked", [False, True])
+def test_prompt_rows_take_the_path_the_rule_names(quantized_llm, monkeypatch, repacked):
+    """On any CPU: with a packed copy (as ``repack`` makes on AMX-BF16 hosts) a prompt's
+    rows take the prompt GEMM in the prefill step and only generated rows read the blocks;
+    without one, a prompt's rows read the blocks too."""
     import inflight.model.linear as linear
+    from inflight.model.kernels.gemm import gemm_pack
 
+    model = quantized_llm.engine.runner.model
+    for m in model._layer_linears():
+        monkeypatch.setattr(m, "gemm_packed", gemm_pack(m.quant.dequantize().to(model.dtype))
+                            if repacked else None)
+    monkeypatch.setattr(model, "quantized_prompts", not repacked)
     rows = []
     real = linear.quant_linear
     monkeypatch.setattr(linear, "quant_linear", lambda x, *a, **k: (rows.append(x.shape[0]),
                                                                     real(x, *a, **k))[1])
-    monkeypatch.setattr(quantized_llm.engine.runner.model, "quantized_prompts", quantized_prompts)
     # 23 rows, no other step of this run has as many; a prompt of its own per case, so no
     # block of it is in the prefix cache
-    prompt = list(range(2000 + 100 * quantized_prompts, 2023 + 100 * quantized_prompts))
+    prompt = list(range(2000 + 100 * repacked, 2023 + 100 * repacked))
     out = quantized_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3,
                                                           ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
-    assert (23 in rows) == quantized_prompts
+    assert (23 in rows) == (not repacked)
     assert 1 in rows  # generated tokens read the blocks either way
 
 

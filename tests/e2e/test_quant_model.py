@@ -21,6 +21,7 @@ import torch
 from inflight.config import EngineConfig
 from inflight.engine import Engine
 from inflight.model import linear
+from inflight.model.kernels.gemm import gemm_path
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import load_model, read_gguf_blocks
 from inflight.model.quant import QuantFormat, QuantizedWeight
@@ -77,17 +78,23 @@ def _ggml_arithmetic():
     return linear
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype, repack", [(torch.bfloat16, True), (torch.bfloat16, False),
+                                           (torch.float32, True)])
 def test_quantized_logits_carry_only_the_block_formats_error(bundled_model_path, bundled, dtype,
-                                                              exact, monkeypatch):
+                                                              repack, exact, monkeypatch):
+    """With ``repack`` False, prompt rows read the blocks on every CPU (an AMX-BF16 host
+    otherwise runs them on a packed bfloat16 copy)."""
     _, models, tokenizer = bundled
     prompts, forced, ref = exact
     config, state = load_model(bundled_model_path)
     quant = LlamaForCausalLM(config, dtype=dtype)
-    quant.load_weights(state, "gguf", read_gguf_blocks(bundled_model_path, config))
+    quant.load_weights(state, "gguf", read_gguf_blocks(bundled_model_path, config), repack)
+    assert quant.quantized_prompts == (not repack or gemm_path(dtype) != "AMX-BF16")
     assert quant.layers[0].mlp.down_proj.quant.fmt == QuantFormat.Q4_1
     assert quant.lm_head.quant.fmt == QuantFormat.Q8_0
-    assert torch.equal(quant.layers[5].self_attn.qkv_proj.weight,
+    # the blocks are the weight: the dense model's, dequantized from the same file
+    assert quant.layers[5].self_attn.qkv_proj.blocks_only
+    assert torch.equal(quant.layers[5].self_attn.qkv_proj.quant.dequantize().to(dtype),
                        models[dtype].layers[5].self_attn.qkv_proj.weight)
     ours, _ = _run(quant, tokenizer, prompts, forced)
     assert ours.logits.keys() == ref.keys()
@@ -101,6 +108,36 @@ def test_quantized_logits_carry_only_the_block_formats_error(bundled_model_path,
     agreement = compare(ours.logits, ref)
     assert_flips_at_near_ties(agreement)
     assert_flip_count(agreement)
+
+
+@pytest.mark.parametrize("repack", [True, False])
+def test_the_blocks_are_the_weights_at_the_files_size(bundled_model_path, bundled, repack):
+    """``--quantization gguf``: every linear layer keeps only its blocks (the dense weight a
+    meta tensor of its shape), the embeddings are the tied LM head's blocks read a row at a
+    time, the dense model's values to the bit, and the weights hold the file's bytes; a
+    bfloat16 copy for the prompt GEMM is kept only where ``repack`` and AMX-BF16 tiles are,
+    of exactly the decoder layers' dense size."""
+    _, models, _ = bundled
+    config, state = load_model(bundled_model_path)
+    quant = LlamaForCausalLM(config, dtype=torch.bfloat16)
+    quant.load_weights(state, "gguf", read_gguf_blocks(bundled_model_path, config), repack)
+    linears = [m for m in quant.modules() if isinstance(m, linear.Linear)]
+    assert len(linears) == 4 * config.num_hidden_layers + 1
+    assert all(m.blocks_only and m.weight.is_meta for m in linears)
+    assert quant.embed_tokens.quant is quant.lm_head.quant and quant.embed_tokens.weight.is_meta
+    ids = torch.tensor([[0, 1, 49151], [2, 17, 2]])
+    assert torch.equal(quant.embed_tokens(ids), models[torch.bfloat16].embed_tokens.weight[ids])
+    held = quant.weight_bytes()
+    blocks = {id(m.quant): m.quant.nbytes for m in linears}
+    assert held["blocks"] == sum(blocks.values())
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 2  # bfloat16
+    assert norms <= held["dense"] <= norms + 2 * 4 * config.head_dim  # and the RoPE tables
+    file_size = bundled_model_path.stat().st_size
+    assert held["blocks"] + held["dense"] <= 1.2 * file_size
+    repacked = repack and gemm_path(torch.bfloat16) == "AMX-BF16"
+    dense_layers = sum(m.in_features * m.out_features * 2 for m in linears if m is not quant.lm_head)
+    assert held["packed"] == (dense_layers if repacked else 0)
+    assert all((m.gemm_packed is not None) == (repacked and m is not quant.lm_head) for m in linears)
 
 
 def test_a_requests_tokens_do_not_depend_on_chunking_or_prefix_hits(bundled_model_path, bundled,

@@ -19,7 +19,7 @@ def test_kernels_h_binds_every_exported_function():
                         "quant_linear_amx", "rms_norm", "silu_and_mul", "decode_layers",
                         "skinny_max_rows", "quant_linear_vectorized",
                         "paged_prefill_attention_kv8", "lora_add", "gemm_packed_size",
-                        "gemm_pack", "gemm_linear", "gemm_path", "gemm_max_path"}
+                        "gemm_pack", "gemm_linear", "gemm_path", "gemm_max_path", "quant_rows"}
     i, l, f, p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     assert sig["rms_norm"] == (i, [i, p, p, p, l, l, f, l])
     assert sig["silu_and_mul"] == (None, [i, p, p, l, l, l])

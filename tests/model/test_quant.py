@@ -20,7 +20,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from inflight.model.kernels import quant_linear
+from inflight.model.kernels import quant_linear, quant_rows
 from inflight.model.kernels.native_lib import apply_amx_setting, native_library, onednn_has_amx
 from inflight.model.kernels.header import read_signatures
 from inflight.model.quant import QuantFormat, QuantizedWeight
@@ -75,6 +75,26 @@ def test_blocks_are_ggmls_and_round_trip(fmt):
     assert qw.shape == (40, k) and qw.nbytes * 8 == PACKED_BITS[fmt] * 48 * k
     file_bits = blocks.nbytes * 8 / (40 * k)
     assert PACKED_BITS[fmt] <= file_bits * 1.03
+
+
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_rows_gathered_from_the_tiles_are_the_gguf_dequantizers_to_the_bit(fmt):
+    """Token embeddings read from blocks (``quant_rows``): any rows, any order, repeats, in
+    the first, a middle and the padded last tile, equal to ``gguf``'s ``dequantize`` in
+    every bit (signed zeros too), computed as its numpy code rounds, fused multiply-adds
+    kept out."""
+    k = kernel_k(fmt, 96)
+    blocks = sample_blocks(fmt, 40, k, seed=3, scale=1.0)  # 40 rows: the last tile padded
+    qw = QuantizedWeight.from_blocks(fmt, blocks)
+    reference = torch.from_numpy(quants.dequantize(blocks, fmt.ggml_type))
+    ids = torch.tensor([[39, 0, 17], [16, 15, 39]])
+    got = quant_rows(qw, ids)
+    assert got is not None and got.shape == (2, 3, k) and got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), reference[ids].view(torch.int32))
+    assert quant_rows(qw, torch.empty(0, dtype=torch.int64)).shape == (0, k)
+    for bad in (40, 47, -1):  # 47: a padding row of the last tile is not a row
+        with pytest.raises(IndexError, match=r"outside \[0, 40\)"):
+            quant_rows(qw, torch.tensor([3, bad]))
 
 
 @pytest.mark.parametrize("fmt", [f for f in QuantFormat if f.super_block])

@@ -379,7 +379,7 @@ def test_default_max_model_len_is_fitted_to_the_pool_with_a_warning(caplog):
 def test_load_refuses_before_allocating_the_kv_cache(monkeypatch):
     """``load`` with a too-small pool fails before any KV tensor exists (the model load is
     faked: the refusal must not need the weights)."""
-    def fake_load(path, dtype, device, quantization="none"):
+    def fake_load(path, dtype, device, quantization="none", repack=True):
         return _model_config(), object(), object()
 
     def no_runner(*args, **kwargs):

@@ -10,9 +10,10 @@ compiler, a failed build, an unsupported shape) falls back to the PyTorch path, 
 - ``linear.c``: the skinny linear layer for generated tokens' rows.
 - ``gemm.c``: the prompt rows' GEMM over a packed dense weight, a row the same bits in any
   batch (AMX-BF16 tiles, AVX-512, AVX2; wrappers in ``gemm.py``).
-- ``quant_linear.c``: the linear layer over 4- and 8-bit block-quantized weights (ggml's
-  Q4_0, Q4_1, Q8_0) for decode steps (``--quantization``; ``model/quant.py``): AVX512-VNNI,
-  and AMX-INT8 tiles from 24 rows where the CPU has them.
+- ``quant_linear.c``: the linear layer over block-quantized weights (ggml's legacy formats
+  and K-quants; ``--quantization``; ``model/quant.py``): AVX512-VNNI, AVX2, and AMX-INT8
+  tiles from 24 rows where the CPU has them; and rows of such a weight dequantized, the
+  token embeddings (wrappers in ``blocks.py``).
 - ``rms_norm.c``, ``activation.c``: RMSNorm and ``silu_and_mul`` in one pass.
 - ``kernels.h``: the exported functions, checked against every definition by the compiler;
   the ctypes bindings are read from it (``header.py``).
@@ -38,7 +39,9 @@ import torch
 from inflight.model import kv_quant
 from inflight.model.kernels.native_lib import (KernelLibrary, native_for, native_library,
                                                thread_count)
-from inflight.model.quant import QuantizedParts, QuantizedWeight
+# the ops over block-quantized weights, re-exported: their callers import them from here
+from inflight.model.kernels.blocks import quant_linear as quant_linear
+from inflight.model.kernels.blocks import quant_rows as quant_rows
 
 
 # Below this many key rows a thread (a sequence's keys once per KV head), decode attention
@@ -201,48 +204,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rc = lib.skinny_linear(int(x.dtype == torch.bfloat16), x.data_ptr(), weight.data_ptr(),
                            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
                            thread_count(num_threads))
-    return y if rc == 0 else None
-
-
-def quant_linear(x: torch.Tensor, weight: QuantizedWeight | QuantizedParts,
-                 bias: torch.Tensor | None = None, num_threads: int | None = None,
-                 ) -> torch.Tensor | None:
-    """``x @ W.T + bias`` with ``W`` in a block format, for a few rows (``quant_linear.c``):
-    each 32-value block of ``x`` quantized to int8 (ggml's Q8_0), integer dot products per
-    block, both scales applied in float32 (llama.cpp's CPU scheme). The dot products run on
-    AVX512-VNNI, or from 24 rows on AMX-INT8 tiles where the CPU has them (the same bits).
-
-    Args:
-        x: ``[M, K]`` float32 or bfloat16, CPU, K a multiple of 32.
-        weight: ``[N, K]`` packed blocks (``model/quant.QuantizedWeight``), or parts in
-            different formats (``QuantizedParts``: each part's call in turn, side by side).
-        bias: ``[N]`` in x's dtype, or None.
-        num_threads: as ``skinny_linear``; results do not depend on it.
-
-    Returns:
-        ``[M, N]`` in x's dtype (float32 sums, one rounding), or None where the kernel does
-        not take these inputs (then the caller multiplies the dequantized weight).
-    """
-    if isinstance(weight, QuantizedParts):
-        outs, r0 = [], 0
-        for part in weight.parts:
-            r1 = r0 + part.num_rows
-            outs.append(quant_linear(x, part, None if bias is None else bias[r0:r1], num_threads))
-            r0 = r1
-        return None if any(y is None for y in outs) else torch.cat(outs, dim=1)
-    lib = native_for(x, *([] if bias is None else [bias]))
-    if lib is None or x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != weight.shape[1]:
-        return None
-    x = x.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    m, (n, k) = x.shape[0], weight.shape
-    y = torch.empty(m, n, dtype=x.dtype)
-    rc = lib.quant_linear(int(weight.fmt), int(x.dtype == torch.bfloat16), x.data_ptr(),
-                          weight.qs.data_ptr(), weight.scales.data_ptr(),
-                          None if weight.mins is None else weight.mins.data_ptr(),
-                          None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                          thread_count(num_threads))
     return y if rc == 0 else None
 
 

@@ -49,6 +49,9 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
 /* min_rows > 0: calls of at least that many rows take the AMX tiles. Returns the threshold in
  * force before the call, or 0 where the CPU or OS gives no AMX. */
 int64_t quant_linear_amx(int64_t min_rows);
+/* Rows ids[0..R) of a packed [N, K] weight dequantized to float32 out[R, K]; 0 or -1. */
+int quant_rows(int fmt, const void *qs, const void *scales, const void *mins,
+               const int64_t *ids, int64_t R, int64_t N, int64_t K, float *out);
 /* rms_norm.c, activation.c */
 int rms_norm(int is_bf16, const void *x, const void *weight, void *y, int64_t T, int64_t D,
              float eps, int64_t num_threads);

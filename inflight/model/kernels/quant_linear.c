@@ -98,7 +98,6 @@ static inline uint64_t plane_word(const uint8_t *t, int i, int r) {
     return w;
 }
 
-#if !VNNI_PATH && !AVX2_PATH
 static float half_to_f32(uint16_t h) {
 #ifdef __F16C__
     return _cvtsh_ss(h);
@@ -108,7 +107,15 @@ static float half_to_f32(uint16_t h) {
     return (float)f;
 #endif
 }
-#endif
+
+/* Code k (0-31) of row l in a packed tile block t, unsigned (Q8_0's with its + 128). */
+static int code_at(int fmt, const uint8_t *t, int l, int k) {
+    const int r = k / 4, p = 4 * l + k % 4; /* vpdpbusd register r, byte p */
+    if (fmt == Q8_0) return t[r * 64 + p];
+    int u = (t[(k / 8) * 64 + p] >> ((k % 8) >= 4 ? 4 : 0)) & 0x0f;
+    for (int i = 0; i < bits_of(fmt) - 4; i++) u |= (int)((plane_word(t, i, r) >> p) & 1) << (4 + i);
+    return u;
+}
 
 /* float -> float16 -> float, to nearest even. */
 static float round_to_half(float f) {
@@ -621,14 +628,6 @@ tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, co
 }
 #else
 /* Plain C, where neither AVX512-VNNI nor AVX2 is there: the same sums, value by value. */
-static int code_at(int fmt, const uint8_t *t, int l, int k) {
-    const int r = k / 4, p = 4 * l + k % 4; /* vpdpbusd register r, byte p */
-    if (fmt == Q8_0) return t[r * 64 + p];
-    int u = (t[(k / 8) * 64 + p] >> ((k % 8) >= 4 ? 4 : 0)) & 0x0f;
-    for (int i = 0; i < bits_of(fmt) - 4; i++) u |= (int)((plane_word(t, i, r) >> p) & 1) << (4 + i);
-    return u;
-}
-
 static void tile_dot(int fmt, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
                      const int8_t *q, const float *dx, const int32_t *corr,
                      const int32_t *corr_lo, const float *dxsx, int64_t xm, int64_t M,
@@ -759,5 +758,52 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
         }
     }
     free(buf);
+    return 0;
+}
+
+/* Rows ids[0..R) of a packed weight as float32, each value computed as the gguf package's
+ * dequantize computes it in numpy: one float32 rounding an operation, in its order, no
+ * fused multiply-add (d sc and dmin mn are exact, so their order does not matter). The
+ * token embeddings of a model whose embedding matrix is kept as blocks (the tied LM head's)
+ * are these rows. Returns 0; -1 for a format it does not take or an id outside [0, N). */
+__attribute__((optimize("fp-contract=off")))
+int quant_rows(int fmt, const void *qs, const void *scales, const void *mins,
+               const int64_t *ids, int64_t R, int64_t N, int64_t K, float *out) {
+    if (fmt < Q8_0 || fmt > Q6_K || K % (is_k(fmt) ? QK_K : QK) || (has_min(fmt) && mins == NULL))
+        return -1;
+    const int64_t nb = K / QK, tb = tile_bytes(fmt), ts = tile_scales(fmt, nb);
+    for (int64_t r = 0; r < R; r++)
+        if (ids[r] < 0 || ids[r] >= N) return -1;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t tile = ids[r] / TILE;
+        const int l = (int)(ids[r] % TILE);
+        const uint16_t *d = (const uint16_t *)scales + tile * ts;
+        const uint16_t *mn = mins == NULL ? NULL : (const uint16_t *)mins + tile * ts;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *t = (const uint8_t *)qs + (tile * nb + b) * tb;
+            const int64_t s = (is_k(fmt) ? b / 8 : b) * TILE + l;
+            float dw = half_to_f32(d[s]), m = 0.f;
+            if (fmt == Q4_K || fmt == Q5_K) {
+                m = half_to_f32(mn[s]) * (float)sub_scales(fmt, t)[16 + l];
+                dw = dw * (float)sub_scales(fmt, t)[l];
+            } else if (has_min(fmt)) {
+                m = half_to_f32(mn[s]);
+            }
+            float *o = out + r * K + b * QK;
+            for (int k = 0; k < QK; k++) {
+                const int u = code_at(fmt, t, l, k);
+                if (fmt == Q6_K) {
+                    const int8_t sc = ((const int8_t *)sub_scales(fmt, t))[(k / 16) * 16 + l];
+                    o[k] = (dw * (float)sc) * (float)(u - 32);
+                } else if (fmt == Q4_K || fmt == Q5_K) {
+                    o[k] = dw * (float)u - m;
+                } else if (has_min(fmt)) {
+                    o[k] = dw * (float)u + m;
+                } else {
+                    o[k] = dw * (float)(u - offset_of(fmt));
+                }
+            }
+        }
+    }
     return 0;
 }
