@@ -61,21 +61,38 @@ class RequestOptions:
     cache_salt: str | None = None
     lora_name: str | None = None
 
-    def check_policy(self, policy: str) -> None:
-        """Refuse a field ``policy`` would silently ignore (vLLM answers 400 for a non-zero
+    @staticmethod
+    def fields_used(policy: str, overload_guard: bool) -> frozenset[str]:
+        """The per-request fields a server acts on: ``priority`` under ``priority`` and
+        ``fair``; ``ttft_slo`` under ``slo`` (its deadline order) and wherever the overload
+        guard is on (``--overload-ttft``: the first-token deadline it judges the request
+        by at arrival); ``itl_slo`` under ``slo``."""
+        used = {"priority"} if policy in ("priority", "fair") else set()
+        if policy == "slo":
+            used |= {"ttft_slo", "itl_slo"}
+        if overload_guard:
+            used.add("ttft_slo")
+        return frozenset(used)
+
+    def check_policy(self, policy: str, overload_guard: bool = False) -> None:
+        """Refuse a field the server would silently ignore (vLLM answers 400 for a non-zero
         ``priority`` without priority scheduling): a client that asks for a priority or a
-        latency target must learn that this server does not act on it.
+        latency target must learn that this server does not act on it (``fields_used``).
 
         Raises:
             ValueError: ``"field: ..."`` naming the field and the policy that uses it.
         """
-        if self.priority != 0 and policy not in ("priority", "fair"):
+        used = self.fields_used(policy, overload_guard)
+        if self.priority != 0 and "priority" not in used:
             raise ValueError(f"priority: is only used by --scheduling-policy priority or "
                              f"fair (this server runs {policy}); send 0 or leave it out")
-        for name in ("ttft_slo", "itl_slo"):
-            if getattr(self, name) is not None and policy != "slo":
-                raise ValueError(f"{name}: is only used by --scheduling-policy slo "
-                                 f"(this server runs {policy}); leave it out")
+        if self.ttft_slo is not None and "ttft_slo" not in used:
+            raise ValueError(f"ttft_slo: is only used by --scheduling-policy slo or the "
+                             f"overload guard (this server runs {policy}, --overload-ttft "
+                             f"off); leave it out")
+        if self.itl_slo is not None and "itl_slo" not in used:
+            raise ValueError(f"itl_slo: is only used by --scheduling-policy slo "
+                             f"(this server runs {policy}); leave it out")
 
 
 class Request:
@@ -113,6 +130,9 @@ class Request:
         self.lora_id = 0
         self.shed_reason: str | None = None  # why load shedding rejected it
         self.shed_retry_after: float | None = None  # seconds a retry should wait; None: 1 s
+        # The overload guard judged it (or it arrived before overload): never refused by it
+        # from then on (``core.overload``: refused at arrival or not at all).
+        self.overload_judged = False
         self.output_token_ids: list[int] = []
         # Per output token: {token_id: logprob}, the sampled token plus the top-k.
         self.output_logprobs: list[dict[int, float]] = []

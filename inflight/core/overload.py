@@ -14,22 +14,34 @@ already fits (``inflight.core.step_model``):
   the "adaptive concurrency limit" of the running set measured in seconds rather than rows:
   the budget follows the machine's measured step cost (Sarathi-Serve's TBT-derived token
   budget, Agrawal et al., OSDI 2024, made a default).
-- **Standing-queue shedding** (``overload_ttft``): a queue that drains is a burst and is
-  served; a queue that has not emptied for ``OVERLOAD_INTERVAL_S`` is overload, and then each
-  waiting request predicted to get its first token more than ``overload_ttft`` seconds after
-  its arrival is refused at once (HTTP 503 with ``Retry-After``), so the ones admitted get
-  their first token in time and the rest can retry elsewhere now rather than time out
-  later. The good-queue / bad-queue split is CoDel's (Nichols & Jacobson, "Controlling Queue
-  Delay", ACM Queue 2012) as Facebook applied it to RPC queues ("Fail at Scale", ACM Queue
-  2015: a short queue timeout only while the queue has not been empty for an interval).
-  The prediction, rather than a timeout, is what keeps the admitted requests' TTFT: a
-  timeout admits requests that already spent their wait (docs/scheduling.md measured half
-  the goodput). The prediction is the ``slo`` policy's (``queue_policy.SLOPolicy``) in the
-  policy's own order, so it composes with ``fcfs`` and ``priority``.
+- **Shedding at the door under overload** (``overload_ttft``): a queue that drains is a
+  burst and is served, and so is a queue that stands but does not grow (a closed-loop
+  client at more concurrency than ``max_num_seqs``: each request waits for a slot, the
+  arrivals follow the completions). A queue that has not emptied for
+  ``OVERLOAD_INTERVAL_S`` and has grown over it (``GROWTH_REQUESTS``) is overload. Then
+  each request is judged once, when it arrives (at the first step after it joins the
+  queue): refused at once (HTTP 503 with ``Retry-After``) if its first token is predicted
+  later than its deadline, kept for good otherwise. A 503 after the request has waited
+  tells the client nothing it could act on, so none is sent: what arrived before overload
+  began, and what was kept, is served. The deadline is the request's own ``ttft_slo``
+  (seconds after arrival: the client's patience) or ``overload_ttft``. The good-queue /
+  bad-queue split is CoDel's (Nichols & Jacobson, "Controlling Queue Delay", ACM Queue
+  2012) as Facebook applied it to RPC queues ("Fail at Scale", ACM Queue 2015: a short
+  queue timeout only while the queue has not been empty for an interval), judged at the
+  door as Envoy's and gRPC's admission control do. The prediction, rather than a timeout,
+  is what keeps the admitted requests' TTFT: a timeout admits requests that already spent
+  their wait (docs/scheduling.md measured half the goodput). It follows the scheduler: the
+  work ahead of a request is what the queue policy runs before it (``waiting_order``, the
+  one owner of that order: ``priority`` with its aging, ``fair``'s tenants, ``slo``'s
+  deadlines), and a slot it must wait for frees when a running request is predicted to
+  finish (``SlotForecast``). The request the scheduler runs next is never refused; the
+  lowest in the policy's order are refused first.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from collections.abc import Callable, Collection, Iterable
 
 from inflight.core.step_model import StepTimeModel
@@ -39,6 +51,12 @@ from inflight.request import Request
 # ten seconds' work (hundreds of requests on a small model) through whole, and still reacts
 # well inside the 60 s windows an operating-limit search judges.
 OVERLOAD_INTERVAL_S = 10.0
+# Overload also needs the queue to grow: its mean length over the interval's second half at
+# least this many requests above its mean over the first half. A closed-loop client's queue
+# stands but dips and refills by a request or two as requests leave and their successors
+# arrive; means over half an interval each smooth that out, and an open-loop excess of e
+# requests a second shows as e x interval / 2.
+GROWTH_REQUESTS = 1.0
 # The step cap's first budget while the step-time model cannot predict yet (tokens): a
 # quarter of the default token budget, a fraction of a second on a 2-core CPU.
 SLOW_START_TOKENS = 512
@@ -72,30 +90,98 @@ def capped_step_budget(step_model: StepTimeModel, running: list[Request], budget
     return min(budget, max(fits, decoding + 1))
 
 
-class OverloadShedder:
-    """Sheds a standing queue's requests that would get their first token too late.
+class SlotForecast:
+    """When running slots free up, in seconds from now, as the queue takes them in order.
+
+    Each running request holds its slot until it is predicted to finish: its expected
+    remaining output tokens (``expected_output``) at one decode step each, every step the
+    model's time for a step of ``max_num_seqs`` rows (a full running set; prompt chunks in
+    those steps make them longer, so the forecast errs early). A waiting request that
+    takes a slot holds it from then for its own expected output. KV blocks are not
+    forecast: a request held by KV waits for the same finishes, so slots bound it too.
 
     Args:
-        ttft: seconds from arrival to the predicted first token a waiting request may have;
-            None turns shedding off.
-        step_model: the scheduler's online step-time model.
-        interval: seconds the waiting queue must stay non-empty before shedding starts.
+        running: the running requests.
+        max_num_seqs: the running slots.
+        step_s: seconds a decode step takes.
+        expected_output: a request's expected output tokens still to come.
+    """
 
-    Overload starts when the waiting queue has not emptied for ``interval`` seconds, and
-    ends when it empties with nothing shed for ``interval`` seconds: shedding empties the
-    queue too, and that is not the load going away. Call ``shed`` before a step's admission
-    and ``observe`` after it. Times are seconds on the scheduler's clock.
+    def __init__(self, running: list[Request], max_num_seqs: int, step_s: float,
+                 expected_output: Callable[[Request], float]) -> None:
+        self.step_s = step_s
+        self.expected_output = expected_output
+        free = [0.0] * max(max_num_seqs - len(running), 0)
+        self._frees = free + [expected_output(r) * step_s for r in running]
+        heapq.heapify(self._frees)
+
+    def next_free(self) -> float:
+        """Seconds until the next slot the queue can take is free (0: one is)."""
+        return self._frees[0] if self._frees else 0.0
+
+    def take(self, start: float, req: Request) -> None:
+        """``req`` takes the next slot at ``start`` seconds from now."""
+        if self._frees:
+            heapq.heapreplace(self._frees, start + self.expected_output(req) * self.step_s)
+
+
+class OverloadShedder:
+    """Refuses, at their arrival, the requests a growing queue would serve too late.
+
+    Args:
+        ttft: seconds from arrival to the predicted first token a request may have (a
+            request's own ``ttft_slo`` replaces it); None turns shedding off.
+        step_model: the scheduler's online step-time model.
+        interval: seconds the waiting queue must stay non-empty, and grow, before
+            shedding starts.
+        max_num_seqs: running slots (``SlotForecast``); None: slots are not forecast.
+        max_model_len: the context, the output bound of a request without ``max_tokens``.
+
+    Overload starts when the waiting queue has not emptied for ``interval`` seconds and has
+    grown over it (``GROWTH_REQUESTS``), and ends when it empties with nothing shed for
+    ``interval`` seconds: shedding empties the queue too, and that is not the load going
+    away. ``judge_on_arrival`` marks what the guard will judge; call ``shed`` before a
+    step's admission, ``observe`` after it, ``note_finished`` as requests finish. Times
+    are seconds on the scheduler's clock.
     """
 
     def __init__(self, ttft: float | None, step_model: StepTimeModel,
-                 interval: float = OVERLOAD_INTERVAL_S, now: float = 0.0) -> None:
+                 interval: float = OVERLOAD_INTERVAL_S, now: float = 0.0,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None) -> None:
         self.ttft = ttft
         self.step_model = step_model
         self.interval = interval
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.active = False  # overloaded now (the class docstring says when)
         self.last_empty = now  # the queue was empty at this time (seconds)
         self.last_shed = -float("inf")
         self._was_empty, self._last_step = True, now
+        # (time, queue length) at each step over the last interval
+        self._lengths: deque[tuple[float, int]] = deque()
+        # Output tokens of the requests that finished (an exponential average, about 50):
+        # what a request without a tight ``max_tokens`` is expected to generate.
+        self.typical_output: float | None = None
+
+    def judge_on_arrival(self, req: Request) -> None:
+        """``req`` joins the queue now: it is judged at the next ``shed`` while overloaded;
+        arrived before overload, it is served (refused at arrival or not at all)."""
+        req.overload_judged = not self.active
+
+    def note_finished(self, req: Request) -> None:
+        """``req`` finished generating (a stop or its length): its output's length."""
+        n = float(req.num_output_tokens)
+        self.typical_output = n if self.typical_output is None else 0.98 * self.typical_output + 0.02 * n
+
+    def expected_output(self, req: Request) -> float:
+        """Output tokens ``req`` is expected still to generate: what its ``max_tokens`` (or
+        the context) leaves, at most the typical output's remainder, at least one."""
+        max_tokens = req.sampling_params.max_tokens
+        left: float = (max_tokens - req.num_output_tokens if max_tokens is not None
+                else (self.max_model_len or req.num_tokens + 1) - req.num_tokens)
+        if self.typical_output is not None:
+            left = min(left, self.typical_output - req.num_output_tokens)
+        return max(float(left), 1.0)
 
     def observe(self, now: float, waiting: Collection[Request], num_shed: int) -> None:
         """Record a step: the requests still waiting after its admission, and how many
@@ -105,6 +191,9 @@ class OverloadShedder:
             return
         if num_shed:
             self.last_shed = now
+        self._lengths.append((now, len(waiting)))
+        while self._lengths[0][0] < now - self.interval:
+            self._lengths.popleft()
         if not waiting:
             self.last_empty = now
             if now - self.last_shed > self.interval:
@@ -115,9 +204,17 @@ class OverloadShedder:
                 # started standing when its oldest request arrived (an idle spell is not
                 # a standing queue).
                 self.last_empty = max(self._last_step, min(r.arrival_time for r in waiting))
-            if now - self.last_empty > self.interval:
+            if not self.active and now - self.last_empty > self.interval and self._grew(now):
                 self.active = True
         self._was_empty, self._last_step = not waiting, now
+
+    def _grew(self, now: float) -> bool:
+        """The queue's mean length over the interval's second half is ``GROWTH_REQUESTS``
+        above its mean over the first half."""
+        half = now - self.interval / 2
+        old = [n for t, n in self._lengths if t < half]
+        new = [n for t, n in self._lengths if t >= half]
+        return bool(old) and bool(new) and sum(new) / len(new) - sum(old) / len(old) >= GROWTH_REQUESTS
 
     def _settle_idle_spell(self, waiting: list[Request]) -> None:
         """End overload over an idle spell: the queue was empty at the last step and stayed
@@ -133,22 +230,24 @@ class OverloadShedder:
     def shed(self, waiting_in_order: Iterable[Request], running: list[Request], now: float,
              budget: int, protected: Callable[[Request], bool] | None = None,
              ) -> list[tuple[Request, str]]:
-        """Waiting requests to refuse now, with the reason; empty unless ``active``.
+        """The requests judged now to refuse, with the reason; empty unless ``active``.
 
-        A request's first token is predicted at ``now`` plus the steps needed to prefill
-        what is ahead of it and its own uncomputed tokens: ahead are the uncomputed prompt
-        tokens of running requests and of the waiting requests before it in admission order
-        (those not shed), at ``budget`` less one token per running request per step, each
-        step taking the model's time for the step admission builds: ``budget`` tokens, or
-        fewer when the running rows and all the waiting tokens are fewer (a step a policy
-        composed of some tenants only, ``FCFSPolicy.tenants_ahead``). Free slots and KV blocks are
-        assumed, so the prediction is optimistic; the time already waited always counts, so
-        a request held by slots or KV is shed once it has waited ``ttft``. Requests already
-        started once (preempted) are kept, and so are those ``protected`` picks (a fair
-        policy's tenants behind their share): both count as work ahead. Each refused
-        request's ``shed_retry_after`` (the 503's ``Retry-After``) is set to the seconds
-        until the work predicted ahead of it has drained to ``ttft`` (at least 1): a retry,
-        which starts its wait afresh, sent sooner would meet the same queue.
+        Only requests not yet judged are judged (``judge_on_arrival``), each once. The
+        order is the scheduler's (``policy.waiting_order``). A request's first token is
+        predicted at ``now`` plus the later of: the steps needed to prefill what is ahead
+        of it and its own uncomputed tokens (the uncomputed prompt tokens of running
+        requests and of the kept waiting requests before it, at ``budget`` less one token
+        per running request per step, each step taking the model's time for the step
+        admission builds: ``budget`` tokens, or fewer when the running rows and all the
+        waiting tokens are fewer), and the time a slot frees for it (``SlotForecast``)
+        plus its own prefill. It is refused if that is past its deadline (``ttft_slo``,
+        else ``ttft``) counted from its arrival. Never refused: the first in the order
+        (the scheduler runs it next), requests started once (preempted), those
+        ``protected`` picks (a fair policy's tenants behind their share), and those judged
+        before; all count as work ahead and take slots. Each refused request's
+        ``shed_retry_after`` (the 503's ``Retry-After``) is set to the seconds until the
+        work predicted ahead of it has drained to its deadline (at least 1): a retry sent
+        sooner would meet the same queue.
         """
         waiting_in_order = list(waiting_in_order)
         self._settle_idle_spell(waiting_in_order)
@@ -159,19 +258,32 @@ class OverloadShedder:
         ahead = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running)
         step = min(budget, len(running) + ahead
                    + sum(r.num_tokens - r.num_computed_tokens for r in waiting_in_order))
+        slots = (SlotForecast(running, self.max_num_seqs, model.predict(self.max_num_seqs),
+                              self.expected_output)
+                 if self.max_num_seqs is not None and model.ready else None)
+
+        def prefill_s(tokens: int) -> float:
+            return model.time_to_prefill(tokens, budget, len(running), step) if model.ready else 0.0
         shed = []
-        for req in waiting_in_order:
+        for i, req in enumerate(waiting_in_order):
             need = req.num_tokens - req.num_computed_tokens
-            if req.first_scheduled_time is not None or (protected is not None and protected(req)):
-                ahead += need
-                continue
-            prefill = model.time_to_prefill(ahead + need, budget, len(running), step) if model.ready else 0.0
-            ttft = now + prefill - req.arrival_time
-            if ttft > self.ttft:
-                req.shed_retry_after = max(1.0, prefill - self.ttft)
+            slot_s = 0.0 if slots is None else slots.next_free()
+            first_s = max(prefill_s(ahead + need), slot_s + prefill_s(need))
+            judged = (req.overload_judged or i == 0 or req.first_scheduled_time is not None
+                      or (protected is not None and protected(req)))
+            req.overload_judged = True
+            deadline = req.ttft_slo if req.ttft_slo is not None else self.ttft
+            ttft = now + first_s - req.arrival_time
+            if not judged and ttft > deadline:
+                req.shed_retry_after = max(1.0, first_s - deadline)
+                held = (" (waiting for a running slot)"
+                        if slot_s + prefill_s(need) > prefill_s(ahead + need) else "")
                 shed.append((req, f"overloaded: first token predicted {ttft:.3f} s after "
-                                  f"arrival, over the {self.ttft:g} s the server allows once "
-                                  f"its queue has not emptied for {self.interval:g} s"))
+                                  f"arrival{held}, over the {deadline:g} s "
+                                  f"{'its ttft_slo' if req.ttft_slo is not None else 'the server'} "
+                                  f"allows while the queue grows (standing {self.interval:g} s)"))
                 continue
+            if slots is not None:
+                slots.take(slot_s, req)
             ahead += need
         return shed

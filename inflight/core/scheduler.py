@@ -78,15 +78,12 @@ class Scheduler:
         self.max_sequence_len = self.prompt_fit.max_sequence_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
+        self.num_preemptions = self.num_prompt_tokens = self.num_generation_tokens = 0
         self.num_recomputed_tokens = 0
         # Per preempted request: tokens it had computed before its latest preemption; the
         # ones scheduled below that mark are recomputation.
         self._recompute_until: dict[str, int] = {}
-        # Admission keeps a few blocks spare so a freshly admitted request is not preempted
-        # by the next decode step's block (vLLM's watermark, 1% of the pool).
+        # Blocks kept spare: a fresh admission is not preempted by the next decode (vLLM's).
         self.watermark_blocks = int(0.01 * kv_cache.num_blocks)
         self.step_model = StepTimeModel()
         self.policy = make_policy(config.scheduling_policy, ttft_slo=config.ttft_slo,
@@ -95,8 +92,8 @@ class Scheduler:
                                   max_num_batched_tokens=config.max_num_batched_tokens)
         # Requests left out of the last step (``policy.tenants_ahead``): never twice running.
         self._left_out: set[str] = set()
-        self.overload = OverloadShedder(config.overload_ttft, self.step_model,
-                                        now=clock())
+        self.overload = OverloadShedder(config.overload_ttft, self.step_model, now=clock(),
+                                        max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         spec = config.speculative_config
         self.speculation = Speculation(spec) if spec is not None else None
         self.batching = make_batching_policy(config.batching_policy,
@@ -110,6 +107,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.policy.on_arrival(request, self.waiting, self.running)
+        self.overload.judge_on_arrival(request)
         self.waiting.append(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -122,6 +120,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request)
         self._recompute_until.pop(request.request_id, None)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.overload.note_finished(request)
         request.status = status
         request.finished_time = self.clock()
 

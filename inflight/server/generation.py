@@ -155,7 +155,8 @@ def check_common(ctx: ServerContext, req: SamplingRequest) -> None:
         raise bad_request("prompt_logprobs are not available when stream=true",
                           param="prompt_logprobs")
     try:
-        req.options().check_policy(ctx.engine.config.scheduling_policy)
+        cfg = ctx.engine.config
+        req.options().check_policy(cfg.scheduling_policy, cfg.overload_ttft is not None)
     except ValueError as e:
         raise from_value_error(e) from None
 

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from inflight.engine.engine_client import EngineClient
+from inflight.request import RequestOptions
 from inflight.server import responses as R
 from inflight.server.protocol import MAX_TOKENS_MARK, TOKEN_ID_MARK
 
@@ -17,7 +18,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/re
 
 # Request fields each scheduling policy acts on; under another policy they are refused
 # (RequestOptions.check_policy) and left out of the document.
-_POLICY_FIELDS = {"priority": ("priority", "fair"), "ttft_slo": ("slo",), "itl_slo": ("slo",)}
+_POLICY_FIELDS = ("priority", "ttft_slo", "itl_slo")  # shown where RequestOptions.fields_used
 _REQUEST_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeRequest",
                     "DetokenizeRequest", "EmbeddingRequest")
 
@@ -51,8 +52,9 @@ def openapi_document(app: FastAPI, client: EngineClient, model_names: Sequence[s
     _bound(schemas, {TOKEN_ID_MARK: client.tokenizer.vocab_size - 1,
                      MAX_TOKENS_MARK: client.max_model_len - 1})
     _name_models(doc, schemas, model_names)
-    policy = client.config.scheduling_policy
-    for field in [f for f, policies in _POLICY_FIELDS.items() if policy not in policies]:
+    used = RequestOptions.fields_used(client.config.scheduling_policy,
+                                      client.config.overload_ttft is not None)
+    for field in [f for f in _POLICY_FIELDS if f not in used]:
         for name in _REQUEST_SCHEMAS:
             schemas.get(name, {}).get("properties", {}).pop(field, None)
     if rate_limited:  # per-tenant limits: the generation routes may answer 429

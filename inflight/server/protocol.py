@@ -37,7 +37,9 @@ MAX_TOKENS_MARK = "x-inflight-max-tokens"
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopString = NonEmptyStr
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
-MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={MAX_TOKENS_MARK: True})]
+# ``max_tokens: 0`` is one policy everywhere (vLLM's): the prompt is prefilled, nothing is
+# generated, ``finish_reason`` is ``length`` and ``usage.completion_tokens`` 0 (docs/server.md).
+MaxTokens = Annotated[int, Field(ge=0, json_schema_extra={MAX_TOKENS_MARK: True})]
 
 
 class _Strict(BaseModel):
@@ -173,9 +175,8 @@ class CompletionRequest(SamplingRequest):
     for that many top log-probabilities per token (0..20; the sampled token's own is
     always included). ``echo`` puts the prompt text before each choice's text and, with
     ``logprobs``, the prompt tokens' logprobs before the generated ones (the first prompt
-    token's are null), as OpenAI's legacy API and vLLM; ``max_tokens: 0`` is allowed with
-    ``echo`` only (scoring: the one token generated is dropped from the choice, and still
-    counted in ``usage``, as vLLM). ``best_of`` (>= n, not with stream) generates that many
+    token's are null), as OpenAI's legacy API and vLLM; ``max_tokens: 0`` generates
+    nothing (``finish_reason`` ``length``), with ``echo`` the scoring request. ``best_of`` (>= n, not with stream) generates that many
     candidates per prompt and returns the ``n`` with the highest cumulative logprob.
     ``prompt_logprobs`` (vLLM's) adds ``prompt_logprobs`` to each choice. ``suffix`` is not
     supported and answered with 400. ``max_tokens`` left out is 16, as in OpenAI's legacy
@@ -185,10 +186,10 @@ class CompletionRequest(SamplingRequest):
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    max_tokens: Annotated[int, Field(ge=0, json_schema_extra={MAX_TOKENS_MARK: True})] | None = \
+    max_tokens: MaxTokens | None = \
         Field(COMPLETION_DEFAULT_MAX_TOKENS, description="output tokens per choice; left out: 16 (OpenAI's and vLLM's "
-                                "default); null: up to max_model_len; 0 only with echo "
-                                "(scoring the prompt)")
+                                "default); null: up to max_model_len; 0: nothing "
+                                "generated (with echo: scoring the prompt)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from inflight.server.protocol import MaxTokens, NonEmptyStr
+from inflight.server.protocol import MAX_TOKENS_MARK, NonEmptyStr
 
 # Responses fields that would change the answer and that this server does not implement;
 # ``null``, ``false``, ``""``, ``[]``, ``{}`` (and ``truncation: "disabled"``) are inert.
@@ -174,7 +174,7 @@ class ResponsesRequest(_Strict):
     model: str | None = Field(None, description="a served model name; None: the first one")
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
     instructions: str | None = None
-    max_output_tokens: MaxTokens | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, json_schema_extra={MAX_TOKENS_MARK: True})] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None

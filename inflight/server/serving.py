@@ -97,9 +97,6 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
 
 def check_completion_fields(req: CompletionRequest) -> None:
     """The completions-only fields' rules (vLLM's and OpenAI's), as 400s naming them."""
-    if req.max_tokens == 0 and not req.echo:
-        raise bad_request("max_tokens: must be at least 1 (0 only with echo=true: "
-                          "scoring the prompt)", param="max_tokens")
     if req.best_of is not None:
         if req.best_of < req.n:
             raise bad_request(f"best_of: must be >= n ({req.n}), got {req.best_of}",

@@ -48,24 +48,41 @@ def test_step_cap_lowers_the_budget_only_while_requests_decode():
     assert capped_step_budget(m, many, 2048, 0.5) == 601
 
 
-def test_shedder_waits_for_a_standing_queue_and_leaves_when_it_drains():
+def _queue(n: int, arrival: float) -> list[Request]:
+    return [_waiting(arrival) for _ in range(n)]
+
+
+def _overloaded(s: OverloadShedder) -> OverloadShedder:
+    """``s`` with a standing queue, overloaded (when it becomes so:
+    test_shedder_waits_for_a_standing_growing_queue_and_leaves_when_it_drains)."""
+    s.observe(0.1, [_waiting(0.0)], num_shed=0)
+    s.active = True
+    return s
+
+
+def test_shedder_waits_for_a_standing_growing_queue_and_leaves_when_it_drains():
     m = _ready_model(a=0.1, b=0.0)  # every step 0.1 s
     s = OverloadShedder(1.0, m, interval=10.0, now=0.0)
+    head = Request("head", [1], P, arrival_time=0.0)  # the scheduler's next: never refused
     late = Request("late", [1] * 10, P, arrival_time=0.0)
-    s.observe(0.1, [_waiting(0.0)], num_shed=0)
-    s.observe(5.0, [_waiting(0.0)], num_shed=0)
-    assert not s.active and s.shed([late], [], 5.0, 100) == []  # a burst: served
-    s.observe(10.5, [_waiting(0.0)], num_shed=0)
+    s.observe(0.1, _queue(1, 0.0), num_shed=0)
+    s.observe(5.0, _queue(2, 0.0), num_shed=0)
+    assert not s.active and s.shed([head, late], [], 5.0, 100) == []  # a burst: served
+    # Standing for 10 s but no longer than it was: a closed loop's queue, not overload.
+    s.observe(10.5, _queue(2, 0.0), num_shed=0)
+    assert not s.active
+    s.observe(10.6, _queue(4, 0.0), num_shed=0)  # the second half's mean 1 above the first's
     assert s.active
-    (req, why), = s.shed([late], [], 10.5, 100)
-    assert req is late and "first token predicted 10.600 s after arrival" in why
+    late = Request("late2", [1] * 10, P, arrival_time=0.0)
+    (req, why), = s.shed([head, late], [], 10.6, 100)
+    assert req is late and "first token predicted 10.700 s after arrival" in why
     # The queue emptied because of the shedding: still overload.
-    s.observe(10.6, [], num_shed=1)
+    s.observe(10.7, [], num_shed=1)
     assert s.active
     s.observe(15.0, [], num_shed=0)
     assert s.active
     # Empty, and nothing shed for a whole interval: the load went away.
-    s.observe(20.7, [], num_shed=0)
+    s.observe(20.8, [], num_shed=0)
     assert not s.active
 
 
@@ -73,11 +90,11 @@ def test_an_idle_spell_is_not_a_standing_queue():
     s = OverloadShedder(1.0, _ready_model(a=0.1, b=0.0), interval=10.0, now=0.0)
     s.observe(1.0, [], num_shed=0)
     # No steps while idle; a burst arrives at t=60 and is still queued at the next step.
-    s.observe(60.2, [_waiting(60.0)], num_shed=0)
+    s.observe(60.2, _queue(1, 60.0), num_shed=0)
     assert not s.active
-    s.observe(69.9, [_waiting(60.0)], num_shed=0)
+    s.observe(69.9, _queue(2, 60.0), num_shed=0)
     assert not s.active
-    s.observe(70.1, [_waiting(60.5)], num_shed=0)  # never emptied since t=60
+    s.observe(70.1, _queue(3, 60.0), num_shed=0)  # never emptied since t=60, grown by 2
     assert s.active
 
 
@@ -85,16 +102,17 @@ def test_shedder_predicts_the_first_token_from_the_work_ahead():
     # 0.2 s a step; budget 100 tokens, 2 running -> 98 prompt tokens a step.
     m = _ready_model(a=0.2, b=0.0)
     s = OverloadShedder(1.0, m, interval=0.0, now=0.0)
-    s.observe(0.1, [_waiting(0.0)], num_shed=0)
+    _overloaded(s)
     running = [_decoding("d1"), _decoding("d2")]
     now = 50.0
     waiting = [Request(f"w{i}", [1] * 98, P, arrival_time=now) for i in range(7)]
     shed = s.shed(waiting, running, now, 100)
     # w_i's first token needs (i + 1) steps = 0.2 (i + 1) s: w0..w4 within 1 s, w5, w6 not.
     assert [r.request_id for r, _ in shed] == ["w5", "w6"]
-    # Time already waited counts: the same queue, arrived 0.5 s ago, keeps w0..w1 only.
-    for r in waiting:
-        r.arrival_time = now - 0.5
+    # Judged once: the kept ones are never refused later, however long they wait.
+    assert s.shed(waiting[:5], running, now + 30, 100) == []
+    # Time already waited counts: a queue that arrived 0.5 s ago keeps w0..w1 only.
+    waiting = [Request(f"w{i}", [1] * 98, P, arrival_time=now - 0.5) for i in range(7)]
     assert [r.request_id for r, _ in s.shed(waiting, running, now, 100)] == ["w2", "w3", "w4", "w5", "w6"]
 
 
@@ -164,16 +182,19 @@ def test_shedder_predicts_the_step_admission_builds_and_keeps_the_protected():
     # 0.1 s + 1 ms a token; budget 1000 tokens, 2 running.
     m = _ready_model(a=0.1, b=0.001)
     s = OverloadShedder(0.5, m, interval=0.0, now=0.0)
-    s.observe(0.1, [_waiting(0.0)], num_shed=0)
+    _overloaded(s)
     running = [_decoding("d1"), _decoding("d2")]
-    alone = [Request("w", [1] * 98, P, arrival_time=50.0)]
-    # One 98-token prompt builds a 100-token step (0.2 s), not a full 1000-token one (1.1 s).
-    assert s.shed(alone, running, 50.0, 1000) == []
-    crowd = alone + [Request(f"x{i}", [1] * 300, P, arrival_time=50.0) for i in range(3)]
-    # Behind it, 900 more tokens fill the step to the budget: 1.1 s for everyone.
-    assert [r.request_id for r, _ in s.shed(crowd, running, 50.0, 1000)] == ["w", "x0", "x1", "x2"]
+
+    def queue(tail: int) -> list[Request]:  # fresh requests: each is judged once
+        return ([Request("h", [1], P, arrival_time=50.0), Request("w", [1] * 97, P, arrival_time=50.0)]
+                + [Request(f"x{i}", [1] * 300, P, arrival_time=50.0) for i in range(tail)])
+    # The head (run next, never refused) and a 97-token prompt build a 100-token step
+    # (0.2 s), not a full 1000-token one (1.1 s).
+    assert s.shed(queue(0), running, 50.0, 1000) == []
+    # Behind them, 900 more tokens fill the step to the budget: 1.1 s for all but the head.
+    assert [r.request_id for r, _ in s.shed(queue(3), running, 50.0, 1000)] == ["w", "x0", "x1", "x2"]
     # Protected requests are never refused, and still count as work ahead of the rest.
-    kept = s.shed(crowd, running, 50.0, 1000, protected=lambda r: r.request_id == "w")
+    kept = s.shed(queue(3), running, 50.0, 1000, protected=lambda r: r.request_id == "w")
     assert [r.request_id for r, _ in kept] == ["x0", "x1", "x2"]
 
 
@@ -181,7 +202,7 @@ def test_a_shed_request_is_told_when_the_work_ahead_has_drained():
     from inflight.outputs import RequestOutput
     m = _ready_model(a=0.1, b=0.001)  # a full 1000-token step: 1.1 s
     s = OverloadShedder(0.5, m, interval=0.0, now=0.0)
-    s.observe(0.1, [_waiting(0.0)], num_shed=0)
+    _overloaded(s)
     running = [_decoding("d1"), _decoding("d2")]
     # Five 998-token prompts, one full step each; the first four protected (a fair
     # policy's tenant behind): they stay as work ahead, and q3 goes after them.
@@ -191,8 +212,9 @@ def test_a_shed_request_is_told_when_the_work_ahead_has_drained():
     # q3 needs 4 steps (4.4 s), q4 too (refused requests are not work ahead): a fresh retry
     # meets the 0.5 s target once 3.9 s of that work has drained.
     assert [round(r.shed_retry_after, 6) for r in shed] == [3.9, 3.9]
-    alone = Request("z", [1] * 98, P, arrival_time=49.0)  # waited 1 s, its own step is short
-    assert [r for r, _ in s.shed([alone], running, 50.0, 1000)] == [alone]
+    head = Request("h", [1], P, arrival_time=50.0)
+    alone = Request("z", [1] * 97, P, arrival_time=49.0)  # waited 1 s, its own step is short
+    assert [r for r, _ in s.shed([head, alone], running, 50.0, 1000)] == [alone]
     assert alone.shed_retry_after == 1.0  # never sooner than 1 s
     err = RequestOutput("q4", "", [1], [], finished=True, shed_reason="overloaded",
                         retry_after=shed[-1].shed_retry_after).failure()
@@ -205,17 +227,23 @@ def test_an_idle_spell_after_shedding_ends_overload():
     # standing 503 (a newcomer's finding: each refusal restarted the quiet period).
     m = _ready_model(a=0.1, b=0.0)
     s = OverloadShedder(1.0, m, interval=10.0, now=0.0)
-    s.observe(10.5, [_waiting(0.0)], num_shed=0)
+    s.observe(0.1, _queue(1, 0.0), num_shed=0)
+    s.observe(2.0, _queue(1, 0.0), num_shed=0)
+    s.observe(10.5, _queue(3, 0.0), num_shed=0)
     assert s.active
-    (req, _), = s.shed([Request("late", [1] * 10, P, arrival_time=0.0)], [], 10.5, 100)
+
+    def head(t: float) -> Request:
+        return Request(f"head@{t}", [1], P, arrival_time=t)
+    (req, _), = s.shed([head(0.0), Request("late", [1] * 10, P, arrival_time=0.0)], [], 10.5, 100)
     s.observe(10.6, [], num_shed=1)  # the queue empties right after the shedding
     assert s.active  # nothing has been quiet for 10 s yet
     fresh = Request("fresh", [1] * 10, P, arrival_time=70.0)
-    assert s.shed([fresh], [], 70.0, 100) == [] and not s.active
+    assert s.shed([head(70.0), fresh], [], 70.0, 100) == [] and not s.active
     # but a queue that empties and refills within the interval stays overloaded
-    s.observe(80.5, [_waiting(70.0)], num_shed=0)
+    s.observe(71.0, _queue(1, 70.0), num_shed=0)
+    s.observe(80.5, _queue(3, 70.0), num_shed=0)
     assert s.active
-    s.shed([Request("x", [1] * 10, P, arrival_time=70.0)], [], 80.5, 100)
+    s.shed([head(70.0), Request("x", [1] * 10, P, arrival_time=70.0)], [], 80.5, 100)
     s.observe(80.6, [], num_shed=1)
-    s.shed([Request("soon", [1] * 10, P, arrival_time=85.0)], [], 85.0, 100)
+    s.shed([head(85.0), Request("soon", [1] * 10, P, arrival_time=85.0)], [], 85.0, 100)
     assert s.active  # 85 - 80.6 < 10 s of quiet

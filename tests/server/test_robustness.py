@@ -80,7 +80,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2048}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [5] * 2048}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG, "max_tokens": 1}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),

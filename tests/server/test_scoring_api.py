@@ -245,8 +245,10 @@ def test_best_of_returns_the_highest_cumulative_logprob(url):
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1, "echo": True}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": -1}, "max_completion_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3, "stream": True}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "best_of": 0}, "best_of"),
@@ -308,3 +310,37 @@ def test_prompt_logprobs_leave_batched_neighbours_unchanged(engine):
         assert a.logprobs == b.logprobs
     assert without["scorer"].prompt_logprobs is None
     assert len(with_["scorer"].prompt_logprobs) == len(tok.encode(PROMPT * 2))
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0, "echo": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "max_completion_tokens": 0}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_is_one_policy(url, engine, route, body, stream):
+    """Issue 55: ``max_tokens: 0`` on completions and chat, echo or not, streamed or not, as
+    vLLM: the prompt is prefilled, nothing generated, ``finish_reason`` ``length``,
+    ``usage.completion_tokens`` 0, and no KV block kept."""
+    generated = engine.get_stats().generation_tokens
+    req = {**body, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    if stream:
+        with httpx.stream("POST", url + route, json=req, timeout=60) as r:
+            assert r.status_code == 200
+            chunks = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines()
+                      if line and line != "data: [DONE]"]
+        choices = [c for ch in chunks for c in ch["choices"]]
+        usage = chunks[-1]["usage"]
+        finish = [c["finish_reason"] for c in choices if c.get("finish_reason")]
+        text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
+    else:
+        out = post(url, route, req)
+        (choice,) = out["choices"]
+        usage, finish = out["usage"], [choice["finish_reason"]]
+        text = choice.get("text", (choice.get("message") or {}).get("content")) or ""
+    assert finish == ["length"] and usage["completion_tokens"] == 0
+    assert text == ("Hi" if body.get("echo") else "")
+    assert engine.get_stats().generation_tokens == generated
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
