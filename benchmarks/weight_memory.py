@@ -47,7 +47,7 @@ def one_run(model: str, repack: bool, prompt_len: int, prompts: int, decode_toke
     import torch
 
     from inflight import LLM, SamplingParams
-    from inflight.engine.loading import release_freed_memory
+    from inflight.engine.memory import trim_heap
     from inflight.model.placement import resolve_model_path
 
     from inflight.engine.loading import load_model_and_tokenizer
@@ -57,7 +57,7 @@ def one_run(model: str, repack: bool, prompt_len: int, prompts: int, decode_toke
     before = _rss_anon_mib()
     _, loaded, tokenizer = load_model_and_tokenizer(path, torch.bfloat16, torch.device("cpu"),
                                                     "gguf", repack)
-    release_freed_memory()
+    trim_heap()
     after = _rss_anon_mib()
     held = loaded.weight_bytes()
     del loaded, tokenizer

@@ -102,7 +102,7 @@ class SlotForecast:
 
     Args:
         running: the running requests.
-        max_num_seqs: the running slots.
+        max_num_seqs: the running slots, at least one.
         step_s: seconds a decode step takes.
         expected_output: a request's expected output tokens still to come.
     """
@@ -117,12 +117,11 @@ class SlotForecast:
 
     def next_free(self) -> float:
         """Seconds until the next slot the queue can take is free (0: one is)."""
-        return self._frees[0] if self._frees else 0.0
+        return self._frees[0]
 
     def take(self, start: float, req: Request) -> None:
         """``req`` takes the next slot at ``start`` seconds from now."""
-        if self._frees:
-            heapq.heapreplace(self._frees, start + self.expected_output(req) * self.step_s)
+        heapq.heapreplace(self._frees, start + self.expected_output(req) * self.step_s)
 
 
 class OverloadShedder:
@@ -268,16 +267,16 @@ class OverloadShedder:
         for i, req in enumerate(waiting_in_order):
             need = req.num_tokens - req.num_computed_tokens
             slot_s = 0.0 if slots is None else slots.next_free()
-            first_s = max(prefill_s(ahead + need), slot_s + prefill_s(need))
-            judged = (req.overload_judged or i == 0 or req.first_scheduled_time is not None
+            after_work, after_slot = prefill_s(ahead + need), slot_s + prefill_s(need)
+            first_s = max(after_work, after_slot)
+            exempt = (req.overload_judged or i == 0 or req.first_scheduled_time is not None
                       or (protected is not None and protected(req)))
             req.overload_judged = True
             deadline = req.ttft_slo if req.ttft_slo is not None else self.ttft
             ttft = now + first_s - req.arrival_time
-            if not judged and ttft > deadline:
+            if not exempt and ttft > deadline:
                 req.shed_retry_after = max(1.0, first_s - deadline)
-                held = (" (waiting for a running slot)"
-                        if slot_s + prefill_s(need) > prefill_s(ahead + need) else "")
+                held = " (waiting for a running slot)" if after_slot > after_work else ""
                 shed.append((req, f"overloaded: first token predicted {ttft:.3f} s after "
                                   f"arrival{held}, over the {deadline:g} s "
                                   f"{'its ttft_slo' if req.ttft_slo is not None else 'the server'} "

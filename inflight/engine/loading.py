@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -14,7 +13,7 @@ import torch
 
 from inflight.config import (DEFAULT_KV_CACHE_MEMORY_CAP, DEFAULT_KV_CACHE_MEMORY_FRACTION,
                              EngineConfig)
-from inflight.engine.memory import bound_primitive_caches
+from inflight.engine.memory import bound_primitive_caches, trim_heap
 from inflight.model import kv_quant
 from inflight.model.hparams import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
@@ -50,7 +49,7 @@ def load_model_and_tokenizer(path: Path, dtype: torch.dtype, device: torch.devic
     model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
     model.load_weights(state, quantization, blocks, repack)
     del state, blocks
-    release_freed_memory()  # the float state and the dense weights the blocks replace
+    trim_heap()  # the float state and the dense weights the blocks replace
     tokenizer = Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
     from inflight.tokenizer import check_chat_template
     check_chat_template(tokenizer, path)  # UnsafeChatTemplateError: refuse to serve it
@@ -173,16 +172,6 @@ def activation_bytes(model_config: ModelConfig, config: EngineConfig) -> int:
     scores = c.num_attention_heads * t * ctx
     logits = 3 * config.max_num_seqs * c.vocab_size
     return 2 * 4 * (t * per_token + scores + logits)
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``): the load's
-    transient float tensors are freed into malloc's arenas, which keep them, so without it
-    the resident size stays at the load's peak. A no-op off glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _available_ram() -> int:

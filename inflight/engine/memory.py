@@ -77,6 +77,14 @@ def _libc_trim() -> Callable[[], int] | None:
     return lambda: int(fn(0))
 
 
+def trim_heap() -> bool:
+    """``malloc_trim(0)`` once, now (after a load's transient tensors are freed: without it
+    the resident size stays at the load's peak); whether memory was released. False off
+    glibc."""
+    trim = _libc_trim()
+    return trim is not None and bool(trim())
+
+
 class HeapTrimmer:
     """Calls ``malloc_trim(0)`` at most every ``idle_interval_s`` seconds when idle and every
     ``busy_interval_s`` seconds when busy (times on ``clock``, seconds). A no-op where the C

@@ -19,9 +19,11 @@ float scale and offset per block, which is what lets one kernel take them all:
   importance matrix (the legacy formats; the package has no K-quant quantizer).
 
 Generated tokens' rows run on the packed blocks (a third of the bytes of bfloat16 at 4
-bits); prompt rows run the prompt GEMM on the dequantized values where it has AMX-BF16 tiles,
-the blocks elsewhere (``linear.GENERATED_ROWS``), so both paths compute with the same weights
-(``QuantizedWeight.dequantize``). ggml's formats themselves: ``block_formats.py``.
+bits), and so do prompt rows, except where the prompt GEMM has AMX-BF16 tiles: there a
+bfloat16 copy of the blocks' values (``QuantizedWeight.dequantize``) is packed for it at load
+(``linear.Linear.prepack``, ``--no-repack`` drops it), so both paths compute with the same
+weights. Where the block kernels are vectorized the blocks are the layer's only weights.
+ggml's formats themselves: ``block_formats.py``.
 """
 
 from __future__ import annotations

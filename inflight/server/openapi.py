@@ -16,9 +16,9 @@ from inflight.server.protocol import MAX_TOKENS_MARK, TOKEN_ID_MARK
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
                               "/v1/embeddings"})
 
-# Request fields each scheduling policy acts on; under another policy they are refused
-# (RequestOptions.check_policy) and left out of the document.
-_POLICY_FIELDS = ("priority", "ttft_slo", "itl_slo")  # shown where RequestOptions.fields_used
+# Per-request scheduling fields: the document keeps those the server acts on
+# (RequestOptions.fields_used); the others are refused (check_policy) and left out.
+_POLICY_FIELDS = ("priority", "ttft_slo", "itl_slo")
 _REQUEST_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeRequest",
                     "DetokenizeRequest", "EmbeddingRequest")
 
