@@ -199,3 +199,59 @@ def test_slots_free_up_as_the_running_requests_finish():
     shedder.note_finished(done)
     assert shedder.expected_output(Request("x", [1], SamplingParams(max_tokens=1000),
                                            arrival_time=0.0)) == 12.0
+
+
+def _slots_at(*remaining: int) -> list[Request]:
+    """Running requests with these many output tokens still to come (one generated)."""
+    running = []
+    for i, left in enumerate(remaining):
+        r = Request(f"run{i}", [1] * 4, SamplingParams(max_tokens=left + 1), arrival_time=0.0)
+        r.num_computed_tokens = 4
+        r.append_output_token(5, None, now=0.0)
+        running.append(r)
+    return running
+
+
+def _judge(policy, arrivals: list[Request]) -> list[str]:
+    """The request ids ``policy``'s order refuses from ``arrivals`` (all arriving now, at
+    t = 50) with 4 slots held by requests that finish after 2, 5, 30 and 30 decode steps of
+    0.1 s: the real path (``shedding.requests_to_shed``), overload on, deadline 1 s."""
+    from inflight.core.shedding import requests_to_shed
+    s = OverloadShedder(1.0, _ready_model(a=STEP_S, b=0.0), max_num_seqs=4, max_model_len=2048)
+    s.observe(49.9, arrivals[:1], num_shed=0)
+    s.active = True
+    shed = requests_to_shed(arrivals, _slots_at(2, 5, 30, 30), 50.0, 64, frozenset(),
+                            policy=policy, overload=s, max_queue_time=None)
+    return [r.request_id for r, _ in shed]
+
+
+def test_the_policys_order_decides_who_is_refused():
+    """Two slots free within 1 s (at 0.2 and 0.5 s), the next at 2.2 s (when the first
+    admitted request's 20 tokens are done). Under ``priority`` the two priority-0 requests
+    take them and the priority-5 ones, though they arrived first, are refused; under
+    ``fcfs`` the same arrivals refuse the later ones. The first in either order (the one
+    the scheduler runs next) is kept."""
+    from inflight.core.queue_policy import FCFSPolicy, PriorityPolicy
+
+    def arrivals() -> list[Request]:
+        p = SamplingParams(max_tokens=20)
+        return ([Request(f"low{i}", [1] * 10, p, arrival_time=50.0, priority=5) for i in range(2)]
+                + [Request(f"high{i}", [1] * 10, p, arrival_time=50.0) for i in range(2)])
+    assert _judge(PriorityPolicy(2.0), arrivals()) == ["low0", "low1"]
+    assert _judge(FCFSPolicy(), arrivals()) == ["high0", "high1"]
+
+
+def test_under_slo_a_tight_deadline_goes_first_and_is_kept():
+    """Two requests that allow 5 s arrive before one that allows 0.8 s. In ``slo``'s
+    deadline order the tight one takes the slot free at 0.2 s and all three are kept (the
+    others start by 2.2 s, inside their 5 s); in arrival order it would get the slot at
+    2.2 s and be refused against its own deadline."""
+    from inflight.core.queue_policy import FCFSPolicy, SLOPolicy
+
+    def arrivals() -> list[Request]:
+        p = SamplingParams(max_tokens=20)
+        return [Request("patient0", [1] * 10, p, arrival_time=50.0, ttft_slo=5.0),
+                Request("patient1", [1] * 10, p, arrival_time=50.0, ttft_slo=5.0),
+                Request("tight", [1] * 10, p, arrival_time=50.0, ttft_slo=0.8)]
+    assert _judge(SLOPolicy(None, None, _ready_model(a=STEP_S, b=0.0)), arrivals()) == []
+    assert _judge(FCFSPolicy(), arrivals()) == ["tight"]
