@@ -16,7 +16,7 @@ from torch import nn
 
 from inflight.model.attention import AttentionMetadata, paged_attention, write_kv
 from inflight.model.hparams import ModelConfig
-from inflight.model.kernels import rms_norm, silu_and_mul
+from inflight.model.kernels import act_and_mul, rms_norm
 from inflight.model.linear import Linear
 from inflight.model.rope import apply_rope
 
@@ -36,12 +36,11 @@ class RMSNorm(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not fol
         self.scale_in_float32 = scale_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 or not self.scale_in_float32:
-            # (the two roundings agree in float32)
-            flat = x.reshape(-1, x.shape[-1])
-            y = rms_norm(flat, self.weight, self.eps)  # None off CPU or without the kernels
-            if y is not None:
-                return y.view(x.shape)
+        flat = x.reshape(-1, x.shape[-1])
+        # None off CPU or without the kernels
+        y = rms_norm(flat, self.weight, self.eps, scale_in_float32=self.scale_in_float32)
+        if y is not None:
+            return y.view(x.shape)
         if self.scale_in_float32:
             return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
                     * self.weight.float()).to(x.dtype)
@@ -105,14 +104,11 @@ class MLP(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch is not followe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.activation == "silu":
-            h = silu_and_mul(gate_up)  # one native pass on CPU; None elsewhere
-            if h is None:
-                gate, up = gate_up.split(self.intermediate, dim=-1)
-                h = F.silu(gate) * up
-        else:
+        h = act_and_mul(gate_up, self.activation)  # one native pass on CPU; None elsewhere
+        if h is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            h = F.gelu(gate, approximate="tanh") * up
+            h = (F.silu(gate) if self.activation == "silu"
+                 else F.gelu(gate, approximate="tanh")) * up
         return self.down_proj(h)
 
 

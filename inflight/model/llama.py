@@ -4,8 +4,8 @@ Mistral, Qwen2/3, Phi-3, Gemma 3: ``model/architecture.py``), over a paged KV ca
 References: Touvron et al., "Llama 2" (2023); HF transformers' modeling files (the numerics the
 tests compare against); ``modeling_rope_utils.py`` for llama3 RoPE scaling. The layers are
 ``model/layers.py``; Q/K/V and gate/up projections are fused at load time
-(``model/llama_weights``); RoPE is ``model/rope``. A decode step of llama-shaped layers runs
-the whole stack in one native call (``decode_layers.c``).
+(``model/llama_weights``); RoPE is ``model/rope``. A decode step runs
+the whole stack in one native call (``decode_layers.c``), every family's layer.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import nn
 from inflight.model import kv_quant
 from inflight.model.attention import AttentionMetadata
 from inflight.model.hparams import ModelConfig
-from inflight.model.kernels import (DECODE_LAYER_COLUMNS, SKINNY_MAX_ROWS, decode_layers,
-                                    skinny_max_rows)
+from inflight.model.kernels import (DECODE_LAYER_COLUMNS, FMT_PARTS, SKINNY_MAX_ROWS,
+                                    decode_layers, skinny_max_rows)
 from inflight.model.kernels.gemm import gemm_path
 from inflight.model.layers import DecoderLayer, RMSNorm
 from inflight.model.linear import GENERATED_ROWS, Embedding, Linear
@@ -58,11 +58,7 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         self.local_inv_freq: torch.Tensor | None = (
             None if config.rope_local_theta is None else
             rope_inv_freq(config, theta=config.rope_local_theta, scaled=False))
-        # the one-call decode path (decode_layers.c) runs Llama's layer: no Q/K norms, no
-        # sandwich norms, SiLU, no window
         arch = config.arch
-        self.llama_layers = not (arch.qk_norm or arch.sandwich_norms or arch.activation != "silu"
-                                 or arch.norm_scale_in_float32 or config.windowed)
         # Gemma scales embeddings by sqrt(hidden), the factor rounded to the dtype as HF's is
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5).to(dtype)
                             if arch.embed_scale else None)
@@ -190,9 +186,10 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
     # Every decoder layer's linear layers quantized: the one-call path then runs them all
     # on the blocks, so it serves only steps whose rows are all generated tokens.
     all_quantized = False
-    # (the KV cache list the table was built for, the table or None); holding the list keeps
-    # the caches the table points into alive. Cleared by load_weights.
-    _decode_table: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
+    # (the KV cache list the table was built for, the table or None, the parts descriptors
+    # it points to); holding the list keeps the caches the table points into alive. Cleared
+    # by load_weights.
+    _decode_table: tuple[list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]] | None = None
 
     def _decode_layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """The per-layer address table ``decode_layers`` takes, built once per KV cache
@@ -206,33 +203,27 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
         # The caches in the model's dtype, or all in one 8-bit format, read as the kernels do.
         kv_ok = (len({kv.dtype for kv in kv_caches}) == 1
                  and (kv_caches[0].dtype == self.dtype or kv_quant.is_8bit(kv_caches[0].dtype)))
-        # (a layer of mixed parts has no one format for the table's columns)
-        one_format = not any(isinstance(m.quant, QuantizedParts) for m in self._layer_linears())
-        if (len(kv_caches) == len(self.layers) and kv_ok and one_format
+        parts: list[torch.Tensor] = []  # the descriptors of layers of mixed parts
+        if (len(kv_caches) == len(self.layers) and kv_ok
                 and all(t.device.type == "cpu" and t.is_contiguous() for t in kv_caches)
                 and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
                         for t in tensors)):
             rows = []
             for layer, kv in zip(self.layers, kv_caches):
-                attn, mlp = layer.self_attn, layer.mlp
-                # Only qkv_proj may have a bias; the other projections are built without.
-                column = {"input_norm": layer.input_layernorm.weight.data_ptr(),
-                          "qkv_bias": (0 if attn.qkv_proj.bias is None
-                                       else attn.qkv_proj.bias.data_ptr()),
-                          "post_norm": layer.post_attention_layernorm.weight.data_ptr(),
-                          "kv_cache": kv.data_ptr()}
-                for name, m in (("qkv", attn.qkv_proj), ("o_proj", attn.o_proj),
-                                ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-                    column.update(_linear_columns(name, m))
+                column = _layer_columns(layer, kv, self.local_inv_freq is not None)
+                for name, m in (("qkv", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                                ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+                    column.update(_linear_columns(name, m, parts))
                 rows.append([column[c] for c in DECODE_LAYER_COLUMNS])
             table = torch.tensor(rows, dtype=torch.int64)
-        self._decode_table = (kv_caches, table)
+        self._decode_table = (kv_caches, table, parts)
         return table
 
     def _decode_in_one_call(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            local: tuple[torch.Tensor, torch.Tensor] | None,
                             kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         n = x.shape[0]
-        if (not self.fused_decode or not self.llama_layers or n > self.fused_decode_rows
+        if (not self.fused_decode or n > self.fused_decode_rows
                 or meta.num_decodes != n
                 or (self.all_quantized and self._step_quant_rows != n)
                 or meta.timer.enabled or x.device.type != "cpu"):
@@ -248,7 +239,8 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
             eps=self.layers[0].input_layernorm.eps, cos=cos, sin=sin,
             slot_mapping=meta.slot_mapping, block_tables=meta.decode_block_tables,
             seq_lens=meta.decode_seq_lens, block_size=kv.shape[3], num_blocks=kv.shape[2],
-            scale=attn.scale, kv_fmt=kv_quant.format_code(kv),
+            scale=attn.scale, kv_fmt=kv_quant.format_code(kv), activation=c.arch.activation,
+            norm_scale_in_float32=c.arch.norm_scale_in_float32, local_cos_sin=local,
             lora=None if lora is None else (lora.row_slots, lora.num_slots, lora.max_rank))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -275,7 +267,7 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
             self._step_quant_rows = x.shape[0] if self.quantized_prompts else meta.num_generated
             token = GENERATED_ROWS.set(self._step_quant_rows)
             try:
-                if not self._decode_in_one_call(x, cos, sin, kv_caches, meta):
+                if not self._decode_in_one_call(x, cos, sin, local, kv_caches, meta):
                     for layer, kv_cache in zip(self.layers, kv_caches):
                         c, s = local if local is not None and layer.self_attn.window else (cos, sin)
                         x = layer(x, c, s, kv_cache, meta)
@@ -303,17 +295,40 @@ class LlamaForCausalLM(nn.Module):  # type: ignore[misc]  # nn.* is Any: torch i
                 GENERATED_ROWS.reset(token)
 
 
-def _linear_columns(name: str, m: Linear) -> dict[str, int]:
-    """A linear layer's six columns of the decode table: the weight (or packed blocks),
-    its format (0 = dense), block scales and Q4_1's minimums, its LoRA slots' A and B (0
-    where unused)."""
+def _layer_columns(layer: DecoderLayer, kv: torch.Tensor, local_rope: bool) -> dict[str, int]:
+    """A layer's decode-table columns other than its linear layers': norms (0 where the family
+    has none), its KV cache, window (0: none) and whether it takes the local RoPE tables."""
+    attn = layer.self_attn
+
+    def norm(m: RMSNorm | None) -> int:
+        return 0 if m is None else m.weight.data_ptr()
+    # Only qkv_proj may have a bias; the other projections are built without.
+    return {"input_norm": norm(layer.input_layernorm),
+            "qkv_bias": 0 if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr(),
+            "post_norm": norm(layer.post_attention_layernorm), "kv_cache": kv.data_ptr(),
+            "q_norm": norm(attn.q_norm), "k_norm": norm(attn.k_norm),
+            "pre_ff_norm": norm(layer.pre_feedforward_layernorm),
+            "post_ff_norm": norm(layer.post_feedforward_layernorm),
+            "window": attn.window or 0, "local_rope": int(local_rope and bool(attn.window))}
+
+
+def _linear_columns(name: str, m: Linear, parts: list[torch.Tensor]) -> dict[str, int]:
+    """A linear layer's six columns of the decode table: the weight (or packed blocks, or a
+    parts descriptor, appended to ``parts``, which the caller keeps alive), its format (0 =
+    dense), block scales and Q4_1's minimums, its LoRA slots' A and B (0 where unused)."""
     lora = {f"{name}_lora_a": 0 if m.lora_a is None else m.lora_a.data_ptr(),
             f"{name}_lora_b": 0 if m.lora_b is None else m.lora_b.data_ptr()}
     if m.quant is None:
         return {name: m.weight.data_ptr(), f"{name}_fmt": 0, f"{name}_scales": 0,
                 f"{name}_mins": 0, **lora}
     q = m.quant
-    assert isinstance(q, QuantizedWeight)  # _decode_layer_table: no table for mixed parts
+    if isinstance(q, QuantizedParts):  # decode_layers.c's FMT_PARTS descriptor
+        parts.append(torch.tensor([len(q.parts)] + [
+            v for p in q.parts for v in (int(p.fmt), p.qs.data_ptr(), p.scales.data_ptr(),
+                                         0 if p.mins is None else p.mins.data_ptr(), p.num_rows)],
+            dtype=torch.int64))
+        return {name: parts[-1].data_ptr(), f"{name}_fmt": FMT_PARTS, f"{name}_scales": 0,
+                f"{name}_mins": 0, **lora}
     return {name: q.qs.data_ptr(), f"{name}_fmt": int(q.fmt),
             f"{name}_scales": q.scales.data_ptr(),
             f"{name}_mins": 0 if q.mins is None else q.mins.data_ptr(), **lora}

@@ -4,8 +4,11 @@ A tiny random model prefills two prompts through the modules; then decode steps 
 of two sequences run through the C stack on one copy of the KV cache and through the modules
 on another. Hidden states and every layer's cache must match exactly, in float32 and
 bfloat16, with and without a QKV bias (Qwen2), with dense weights and with every block
-format of ``--quantization`` (then for any number of sequences), and with a GGUF's mix of
-K-quant and legacy formats as Q4_K_M files have them.
+format of ``--quantization`` (then for any number of sequences), with a GGUF's mix of
+K-quant and legacy formats as Q4_K_M files have them (fused layers of parts in different
+formats too), and for every family's layer: Q/K norms (Qwen3), sliding windows shorter than
+the sequences (Mistral), and Gemma 3's sandwich norms, tanh GELU, windowed layers with a
+RoPE base of their own beside a global one.
 """
 
 from __future__ import annotations
@@ -35,11 +38,24 @@ MIXED_FORMATS = {"q_proj": QuantFormat.Q5_0, "k_proj": QuantFormat.Q5_0,
                  "down_proj": (QuantFormat.Q6_K, QuantFormat.Q4_K), "lm_head": QuantFormat.Q8_0}
 
 
-def make_model(dtype, bias, quantization="none"):
-    """A tiny random Llama; ``quantization`` ``mixed``: its weights as GGUF blocks in
-    ``MIXED_FORMATS`` (sizes in whole super-blocks), loaded with ``gguf``, the values
-    those blocks hold; ``mixed_parts``: the same with Q8_0 values beside Q5_0 queries and
-    keys in odd layers (fused layers of parts in different formats)."""
+# Each family's departures from the tiny Llama below (windows of 5 keys: the prompts and
+# decodes run past them).
+FAMILIES = {
+    "llama": {},
+    "qwen3": dict(architecture="qwen3"),
+    "mistral_window": dict(sliding_window=5),
+    "gemma3": dict(architecture="gemma3", sliding_window=5, rope_theta=1e6,
+                   rope_local_theta=10000.0, query_pre_attn_scalar=24.0,
+                   layer_types=("sliding_attention", "full_attention", "sliding_attention")),
+}
+
+
+def make_model(dtype, bias, quantization="none", family="llama"):
+    """A tiny random model of ``family`` (``FAMILIES``); ``quantization`` ``mixed``: its
+    weights as GGUF blocks in ``MIXED_FORMATS`` (sizes in whole super-blocks), loaded with
+    ``gguf``, the values those blocks hold; ``mixed_parts``: the same with Q8_0 values
+    beside Q5_0 queries and keys in odd layers (fused layers of parts in different
+    formats)."""
     mixed = quantization.startswith("mixed")
     formats = dict(MIXED_FORMATS)
     if quantization == "mixed_parts":
@@ -48,9 +64,10 @@ def make_model(dtype, bias, quantization="none"):
                 vocab_size=160) if mixed else dict(hidden_size=64, intermediate_size=96,
                                                    num_attention_heads=6, head_dim=16,
                                                    vocab_size=101)
-    config = ModelConfig(architecture="llama", num_hidden_layers=3, num_key_value_heads=2,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
-                         tie_word_embeddings=False, attention_bias=bias, **size)
+    config = ModelConfig(**{**dict(
+        architecture="llama", num_hidden_layers=3, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+        attention_bias=bias, **size), **FAMILIES[family]})
     model = LlamaForCausalLM(config, dtype=dtype)
     g = torch.Generator().manual_seed(1)
     state = {}
@@ -146,7 +163,7 @@ def test_one_call_decode_equals_modules(dtype, bias, quantization, batch, monkey
     ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
     calls = []
     real = llama.decode_layers
-    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
     lens = [len(p) for p in prompts]
     tokens = [7 + i for i in range(batch)]
     for step in range(6):  # crosses block boundaries; past 8 keys the kernel's 16-key tiles
@@ -157,7 +174,38 @@ def test_one_call_decode_equals_modules(dtype, bias, quantization, batch, monkey
             assert torch.equal(x, y)
         lens = [n + 1 for n in lens]
         tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
-    assert len(calls) == 6  # the one-call path ran every step
+    assert calls == [True] * 6  # the one-call path ran every step
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral_window", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization,batch", [("none", 1), ("none", 2), ("q4_0", 3),
+                                                ("mixed_parts", 1), ("mixed_parts", 3)])
+def test_every_familys_layer_decodes_in_one_call(family, dtype, quantization, batch,
+                                                  monkeypatch):
+    model = make_model(dtype, False, quantization, family)
+    assert model.config.windowed == (family != "qwen3")
+    if quantization == "mixed_parts":
+        assert any(isinstance(m.quant, QuantizedParts) for m in model._layer_linears())
+    c = model.config
+    caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim, dtype=dtype)
+              for _ in range(c.num_hidden_layers)]
+    prompts = PROMPTS[:max(2, batch)]  # 5 and 7 tokens, then 8 decodes: windows of 5 bind
+    prefill(model, prompts, caches)
+    ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
+    calls = []
+    real = llama.decode_layers
+    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    lens, tokens = [len(p) for p in prompts], [7 + i for i in range(batch)]
+    for step in range(8):
+        a = decode(model, tokens, lens, ours, fused=True)
+        b = decode(model, tokens, lens, theirs, fused=False)
+        assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"
+        for x, y in zip(ours, theirs):
+            assert torch.equal(x, y)
+        lens = [n + 1 for n in lens]
+        tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
+    assert calls == [True] * 8  # the one-call path ran every step
 
 
 @pytest.mark.parametrize("num_seqs,timed,quantization,one_call", [
@@ -200,7 +248,7 @@ def test_one_call_decode_equals_modules_over_an_8bit_cache(dtype, quantization, 
     ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
     calls = []
     real = llama.decode_layers
-    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
     lens, tokens = [len(p) for p in prompts], [7 + i for i in range(batch)]
     for step in range(5):
         a = decode(model, tokens, lens, ours, fused=True)
@@ -210,7 +258,7 @@ def test_one_call_decode_equals_modules_over_an_8bit_cache(dtype, quantization, 
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
         lens = [n + 1 for n in lens]
         tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
-    assert len(calls) == 5
+    assert calls == [True] * 5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,15 +16,15 @@ def test_kernels_h_binds_every_exported_function():
     sig = read_signatures(HEADER)
     assert set(sig) == {"paged_decode_attention", "reshape_and_cache", "paged_prefill_attention",
                         "paged_prefill_head_dim", "skinny_linear", "quant_linear",
-                        "quant_linear_amx", "rms_norm", "silu_and_mul", "decode_layers",
+                        "quant_linear_amx", "rms_norm", "act_and_mul", "decode_layers",
                         "skinny_max_rows", "quant_linear_vectorized",
                         "paged_prefill_attention_kv8", "lora_add", "gemm_packed_size",
                         "gemm_pack", "gemm_linear", "gemm_path", "gemm_max_path", "quant_rows"}
     i, l, f, p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    assert sig["rms_norm"] == (i, [i, p, p, p, l, l, f, l])
-    assert sig["silu_and_mul"] == (None, [i, p, p, l, l, l])
+    assert sig["rms_norm"] == (i, [i, i, p, p, p, l, l, f, l])  # is_bf16, scale_f32, ...
+    assert sig["act_and_mul"] == (None, [i, i, p, p, l, l, l])  # act, is_bf16, ...
     assert sig["paged_prefill_head_dim"] == (l, [])
-    assert len(sig["decode_layers"][1]) == 26  # ..., lora_slots, lora_S, lora_R
+    assert len(sig["decode_layers"][1]) == 30  # ..., lora_slots, lora_S, lora_R
     assert sig["lora_add"] == (i, [i, p, p, l, l, l, p, p, l, l, p, l])
     # is_bf16, kv_fmt (0 plain, 1 int8, 2 fp8), k, k_stride, v, v_stride, cache, slots, ...
     assert sig["reshape_and_cache"] == (i, [i, i, p, l, p, l, p, p, l, l, l, l, l])

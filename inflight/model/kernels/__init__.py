@@ -14,7 +14,8 @@ compiler, a failed build, an unsupported shape) falls back to the PyTorch path, 
   and K-quants; ``--quantization``; ``model/quant.py``): AVX512-VNNI, AVX2, and AMX-INT8
   tiles from 24 rows where the CPU has them; and rows of such a weight dequantized, the
   token embeddings (wrappers in ``blocks.py``).
-- ``rms_norm.c``, ``activation.c``: RMSNorm and ``silu_and_mul`` in one pass.
+- ``rms_norm.c``, ``activation.c``: RMSNorm and the gated activations (SiLU, tanh GELU) in one
+  pass.
 - ``kernels.h``: the exported functions, checked against every definition by the compiler;
   the ctypes bindings are read from it (``header.py``).
 - ``decode_layers.c``: the decoder stack for a decode step of 1-2 tokens in one call, the
@@ -208,24 +209,28 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             num_threads: int | None = None) -> torch.Tensor | None:
+             num_threads: int | None = None, scale_in_float32: bool = False,
+             ) -> torch.Tensor | None:
     """RMSNorm with HF's rounding, one pass per row (``rms_norm.c``).
 
     Args:
         x: ``[T, D]`` float32 or bfloat16, CPU; weight: ``[D]``, x's dtype.
         eps: added to the mean square. num_threads: as ``paged_decode_attention``.
+        scale_in_float32: Gemma's rounding, ``(h * weight.float()).to(x.dtype)``, one
+            rounding; else Llama's, ``weight * h.to(x.dtype)`` (the same in float32).
 
     Returns:
-        ``[T, D]`` in x's dtype: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``,
-        computed in float32; or None when the kernel cannot run these inputs.
+        ``[T, D]`` in x's dtype, ``h = x * rsqrt(mean(x^2) + eps)`` computed in float32 and
+        scaled as above; or None when the kernel cannot run these inputs.
     """
     lib = native_for(x, weight)
     if lib is None or x.dim() != 2:
         return None
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty_like(x)
-    lib.rms_norm(int(x.dtype == torch.bfloat16), x.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                 x.shape[0], x.shape[1], eps, thread_count(num_threads))
+    lib.rms_norm(int(x.dtype == torch.bfloat16), int(scale_in_float32), x.data_ptr(),
+                 weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
+                 thread_count(num_threads))
     return y
 
 
@@ -262,34 +267,50 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     return True
 
 
-def silu_and_mul(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor | None:
-    """``silu(gate) * up`` of ``x = [gate | up]`` in one pass (vLLM's ``silu_and_mul``).
+# activation.c's codes
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def act_and_mul(x: torch.Tensor, activation: str = "silu",
+                num_threads: int | None = None) -> torch.Tensor | None:
+    """``act(gate) * up`` of ``x = [gate | up]`` in one pass (vLLM's ``silu_and_mul`` and
+    ``gelu_tanh_and_mul``).
 
     Args:
-        x: ``[T, 2 * I]`` float32 or bfloat16, CPU. num_threads: as ``paged_decode_attention``.
+        x: ``[T, 2 * I]`` float32 or bfloat16, CPU.
+        activation: ``silu`` or ``gelu_tanh`` (``F.gelu(..., approximate="tanh")``).
+        num_threads: as ``paged_decode_attention``.
 
     Returns:
-        ``[T, I]`` in x's dtype (bfloat16 rounded as HF: after the SiLU, then the product),
-        or None where the kernel does not apply.
+        ``[T, I]`` in x's dtype (bfloat16 rounded as HF: after the activation, then the
+        product), or None where the kernel does not apply.
+
+    Raises:
+        KeyError: an activation other than those two.
     """
+    code = ACTIVATIONS[activation]
     lib = native_for(x)
     if lib is None or x.dim() != 2 or x.shape[1] % 2:
         return None
     x = x.contiguous()
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-    lib.silu_and_mul(int(x.dtype == torch.bfloat16), x.data_ptr(), out.data_ptr(), x.shape[0],
-                     x.shape[1] // 2, thread_count(num_threads))
+    lib.act_and_mul(code, int(x.dtype == torch.bfloat16), x.data_ptr(), out.data_ptr(),
+                    x.shape[0], x.shape[1] // 2, thread_count(num_threads))
     return out
 
 
-# Columns of decode_layers' per-layer pointer table (decode_layers.c's enum). Each linear
-# layer has four: its weight (dense, or packed blocks), format (0 dense, else
-# quant_linear.c's), block scales and Q4_1's block minimums (0 where unused).
+# Columns of decode_layers' per-layer table (decode_layers.c's enum). Each linear layer has
+# six: its weight (dense, packed blocks, or the address of a parts descriptor), format (0
+# dense, FMT_PARTS, else quant_linear.c's), block scales and Q4_1's block minimums, its LoRA
+# slots' A and B (0 where unused). Then the norms a family may add (0: none), the layer's
+# window (0: none) and whether it takes the local RoPE tables.
 _LINEAR_COLUMNS = ("", "_fmt", "_scales", "_mins", "_lora_a", "_lora_b")
 DECODE_LAYER_COLUMNS = ("input_norm", *("qkv" + c for c in _LINEAR_COLUMNS), "qkv_bias",
                         *("o_proj" + c for c in _LINEAR_COLUMNS), "post_norm",
                         *("gate_up" + c for c in _LINEAR_COLUMNS),
-                        *("down" + c for c in _LINEAR_COLUMNS), "kv_cache")
+                        *("down" + c for c in _LINEAR_COLUMNS), "kv_cache", "q_norm",
+                        "k_norm", "pre_ff_norm", "post_ff_norm", "window", "local_rope")
+FMT_PARTS = -1
 
 
 def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
@@ -297,6 +318,8 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
                   cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                   num_blocks: int, scale: float, kv_fmt: int = 0,
+                  activation: str = "silu", norm_scale_in_float32: bool = False,
+                  local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
                   num_threads: int | None = None,
                   lora: tuple[torch.Tensor, int, int] | None = None) -> bool:
     """Run every decoder layer over a decode step's 1-2 tokens in one native call
@@ -313,6 +336,10 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
         slot_mapping ``[M]``, block_tables ``[M, width]``, seq_lens ``[M]``: int64, as for
             ``reshape_and_cache`` and ``paged_decode_attention``.
         kv_fmt: the caches' format (``kv_quant.format_code``: 0 in x's dtype, else 8-bit).
+        activation: the MLP's (``act_and_mul``); norm_scale_in_float32: every RMSNorm's
+            rounding (``rms_norm``'s ``scale_in_float32``).
+        local_cos_sin: ``cos``, ``sin`` at the windowed layers' RoPE base, for the layers
+            whose ``local_rope`` column is 1; None: every layer takes ``cos``, ``sin``.
         lora: the step's LoRA rows (``model.lora``): each row's slot ``[M]`` int64 (-1:
             none), the slots, the largest rank; the table's ``*_lora_a``/``*_lora_b``
             columns give each layer's slot tensors. None: no adapter row.
@@ -324,14 +351,18 @@ def decode_layers(x: torch.Tensor, layer_table: torch.Tensor, *, num_heads: int,
     Raises:
         IndexError: a slot outside the cache. MemoryError: out of memory part way.
     """
-    lib = native_for(x, cos, sin)
-    if lib is None or not x.is_contiguous():
+    local = local_cos_sin or (None, None)
+    lib = native_for(x, cos, sin, *(t for t in local if t is not None))
+    if lib is None or not x.is_contiguous() or not all(
+            t is None or t.is_contiguous() for t in (cos, sin, *local)):
         return False
     tables, slots, lens = (t.contiguous() for t in (block_tables, slot_mapping, seq_lens))
     rc = lib.decode_layers(
         int(x.dtype == torch.bfloat16), kv_fmt, x.data_ptr(), x.shape[0], layer_table.data_ptr(),
         layer_table.shape[0], x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size,
-        eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+        eps, ACTIVATIONS[activation], int(norm_scale_in_float32), cos.data_ptr(),
+        sin.data_ptr(), *(None if t is None else t.data_ptr() for t in local),
+        slots.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), num_blocks, block_size, scale,
         thread_count(num_threads), MIN_KEYS_PER_THREAD,
         None if lora is None else lora[0].data_ptr(), *((0, 0) if lora is None else lora[1:]))

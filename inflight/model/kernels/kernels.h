@@ -53,10 +53,12 @@ int64_t quant_linear_amx(int64_t min_rows);
 int quant_rows(int fmt, const void *qs, const void *scales, const void *mins,
                const int64_t *ids, int64_t R, int64_t N, int64_t K, float *out);
 /* rms_norm.c, activation.c */
-int rms_norm(int is_bf16, const void *x, const void *weight, void *y, int64_t T, int64_t D,
-             float eps, int64_t num_threads);
-void silu_and_mul(int is_bf16, const void *x, void *out, int64_t T, int64_t I,
-                  int64_t num_threads);
+/* scale_f32: Gemma's rounding (the weight multiplies before the one rounding) */
+int rms_norm(int is_bf16, int scale_f32, const void *x, const void *weight, void *y, int64_t T,
+             int64_t D, float eps, int64_t num_threads);
+/* act 0: SiLU, 1: GELU (tanh) */
+void act_and_mul(int act, int is_bf16, const void *x, void *out, int64_t T, int64_t I,
+                 int64_t num_threads);
 /* lora.c */
 int lora_add(int is_bf16, const void *x, void *y, int64_t M, int64_t N, int64_t K,
              const void *at, const void *b, int64_t S, int64_t W, const int64_t *row_slots,
@@ -64,7 +66,8 @@ int lora_add(int is_bf16, const void *x, void *y, int64_t M, int64_t N, int64_t 
 /* decode_layers.c */
 int decode_layers(int is_bf16, int kv_fmt, void *x, int64_t M, const int64_t *layers,
                   int64_t num_layers, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps,
-                  const void *cos, const void *sin, const int64_t *slots, const int64_t *tables,
+                  int64_t act, int64_t norm_f32, const void *cos, const void *sin,
+                  const void *cos_local, const void *sin_local, const int64_t *slots, const int64_t *tables,
                   int64_t table_width, const int64_t *seq_lens, int64_t num_blocks, int64_t BS,
                   float scale, int64_t num_threads, int64_t min_keys,
                   const int64_t *lora_slots, int64_t lora_S, int64_t lora_R);
