@@ -1,8 +1,11 @@
 """What a sampling step costs at a large vocabulary (issue 52): Gemma 3's 262,144 tokens
 against SmolLM2's 49,152, per thing a request may ask.
 
-For each vocabulary and batch size, ``Sampler.sample`` over random float32 logits (the LM
-head's output) for rows that all ask the same thing: greedy; temperature; top-k 40; top-p
+For each vocabulary and batch size, ``Sampler.sample`` over float32 logits for rows that all
+ask the same thing. ``--logits model`` (default): the model's own next-token logits over real
+text (MT-Bench questions from ``../shared/data``, greedy continuations; a language model's
+distribution, whose nucleus is small); ``random``: N(0, 3^2) logits, a flat distribution
+whose nucleus is most of the vocabulary (the worst case: the full sort). The cases: greedy; temperature; top-k 40; top-p
 0.9; min-p 0.05; top-k 40 with top-p 0.9; 5 logprobs; greedy under a JSON-schema grammar
 (xgrammar over the model's own tokenizer, so the bitmask covers the real vocabulary); and
 one greedy row beside rows that ask for top-p (the greedy row must not pay for them). Best
@@ -15,7 +18,9 @@ is ``benchmarks/quant_linear.py``'s ``lm_head`` shape.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
 import statistics
 import time
 
@@ -62,26 +67,54 @@ def requests_for(case: str, batch: int, tok: Tokenizer, compiler: GrammarCompile
     return out
 
 
+def model_logits(path: pathlib.Path, rows: int) -> torch.Tensor:
+    """``[rows, vocab]`` next-token logits of the model at ``path`` along greedy continuations
+    of MT-Bench questions (the logits its sampler saw)."""
+    from inflight.config import EngineConfig
+    from inflight.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=256, max_num_seqs=4))
+    seen: list[torch.Tensor] = []
+    real = engine.runner.sampler.sample
+
+    def keep(logits: torch.Tensor, requests: list, *a: object) -> list:
+        seen.extend(logits.clone())
+        return real(logits, requests, *a)
+    engine.runner.sampler.sample = keep  # type: ignore[method-assign]
+    data = pathlib.Path(__file__).resolve().parents[2] / "shared/data/mt_bench_questions.jsonl"
+    questions = [json.loads(line)["turns"][0] for line in data.read_text().splitlines()[:4]]
+    for i, q in enumerate(questions):
+        engine.add_request(str(i), engine.tokenizer.encode(q),
+                           SamplingParams(temperature=0, max_tokens=-(-rows // len(questions))))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return torch.stack(seen[:rows])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--logits", choices=["model", "random"], default="model")
     args = p.parse_args()
     models = {"smollm2 (49,152)": find_bundled_model()}
     try:
         models["gemma3 (262,144)"] = find_gemma3_270m()
     except FileNotFoundError as e:
         print(f"skipping Gemma: {e}")
-    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, "
+          f"logits: {args.logits}")
     print("| vocabulary | batch | case | best ms | median ms |\n|---|---|---|---|---|")
     for name, path in models.items():
         tok = Tokenizer.from_gguf(path)
         compiler = GrammarCompiler(tok)
         vocab = tok.vocab_size
         g = torch.Generator().manual_seed(0)
+        pool = (model_logits(path, max(args.batch)) if args.logits == "model"
+                else torch.randn(max(args.batch), vocab, generator=g) * 3)
         for batch in args.batch:
-            logits = torch.randn(batch, vocab, generator=g) * 3
+            logits = pool[:batch, :vocab]
             times: dict[str, list[float]] = {c: [] for c in args.cases}
             for _ in range(args.repeats):  # rounds interleave the cases
                 for case in args.cases:

@@ -54,7 +54,9 @@ def format_summary(summary: dict[str, Any], title: str = "inflight bench serve")
     ]
     if summary.get("goodput") is not None:
         rows.append(("Goodput (req/s)", _fmt(summary["goodput"])))
-        rows.append(("Requests meeting SLO", f"{summary['good_requests']}/{summary['completed']}"))
+        judged = summary.get("judged_requests", summary["completed"])
+        rows.append(("Requests meeting SLO", f"{summary['good_requests']}/{judged} judged"
+                     " (errored ones fail; cancelled and undetermined ones are not judged)"))
     if summary.get("preemptions") is not None:
         rows.append(("Preemptions", _fmt(summary["preemptions"], digits=0)))
     hit_rate = prefix_hit_rate(summary.get("server_counters") or {})

@@ -12,7 +12,12 @@ Definitions follow vLLM's ``benchmarks/benchmark_serving.py`` (all times in seco
 - Request throughput = completed / duration; output throughput = output tokens / duration;
   total token throughput = (prompt + output tokens) / duration.
 - Goodput (DistServe, Zhong et al., OSDI 2024; vLLM's ``--goodput``) = completed requests that
-  meet every per-request SLO, divided by duration (requests/s).
+  meet every per-request SLO, divided by duration (requests/s). SLO attainment = those
+  requests' share of the judged ones. Judged as GuideLLM judges (vllm-project/guidellm PR
+  #1085): a request that errored fails its SLO; one the run cancelled (a point that ended
+  before it finished, a cool-down) counts on neither side; one whose objective cannot be
+  evaluated (no streamed chunk, so no TTFT; one output token, so no TPOT or ITL) counts on
+  neither side.
 
 Percentiles are numpy's default (linear interpolation between order statistics), as vLLM.
 """
@@ -133,22 +138,33 @@ def parse_slo(text: str | None) -> SLO:
     return slo
 
 
-def meets_slo(m: RequestMetrics, per_request: dict[str, float]) -> bool:
-    """True when the request has every measured latency within its per-request target."""
+def meets_slo(m: RequestMetrics, per_request: dict[str, float]) -> bool | None:
+    """True when every per-request target holds, False when one does not, None when one
+    cannot be evaluated (no TTFT or E2E without a streamed chunk; no TPOT or ITL from a
+    request of one output token) and none fails."""
+    undetermined = False
     for key, target in per_request.items():
-        if key == "itl":
-            if any(g > target for g in m.itls):
-                return False
+        values = m.itls if key == "itl" else [] if getattr(m, key) is None else [getattr(m, key)]
+        if not values:
+            undetermined = True
+        elif max(values) > target:
+            return False
+    return None if undetermined else True
+
+
+def slo_judgement(records: Sequence[RequestRecord], per_request: dict[str, float],
+                  ) -> tuple[int, int]:
+    """``(good, judged)`` over counted records, GuideLLM's rule (the module docstring):
+    errored requests judged and failing, cancelled and undetermined ones not judged."""
+    good = judged = 0
+    for r in records:
+        if r.warmup or r.unfinished or r.cancelled:
             continue
-        value = getattr(m, key)
-        if value is None:
-            # A one-token request has no TPOT: nothing to violate. No TTFT means it failed.
-            if key == "tpot" and m.ttft is not None:
-                continue
-            return False
-        if value > target:
-            return False
-    return True
+        verdict = meets_slo(request_metrics(r), per_request) if r.success else False
+        if verdict is not None:
+            judged += 1
+            good += verdict
+    return good, judged
 
 
 def check_aggregate(summary: dict[str, Any], aggregate: dict[tuple[str, str], float]) -> list[str]:
@@ -189,7 +205,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict[
     """Aggregates over counted (non-warm-up) requests. Times in s, rates per s.
 
     Failed requests count toward duration and ``failed`` but not toward latencies,
-    throughput or goodput. Prompt tokens are taken from ``usage`` where the server gave
+    throughput or goodput; an errored one counts against ``slo_attainment``. Prompt tokens are taken from ``usage`` where the server gave
     them, else from the dataset's count. ``connection_retries`` sums every record's,
     warm-ups and cool-downs included.
     """
@@ -202,7 +218,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict[
     duration = end - start
     in_tokens = sum((r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len or 0) for r in ok)
     out_tokens = sum(m.output_tokens for m in metrics)
-    good = sum(1 for m in metrics if meets_slo(m, slo.per_request)) if slo.per_request else None
+    good, judged = slo_judgement(counted, slo.per_request) if slo.per_request else (None, 0)
 
     def rate(x: float) -> float | None:
         return x / duration if duration > 0 else None
@@ -226,7 +242,9 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None) -> dict[
         "itl": describe([g for m in metrics for g in m.itls]),
         "e2e": describe([m.e2e for m in metrics if m.e2e is not None]),
         "good_requests": good,
+        "judged_requests": judged if good is not None else None,
         "goodput": rate(good) if good is not None else None,
+        "slo_attainment": good / judged if good is not None and judged else None,
         "slo": slo.to_json(),
         "errors": _error_counts(counted),
         "prompt_len_mismatches": sum(1 for r in ok if r.prompt_len is not None

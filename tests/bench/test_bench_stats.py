@@ -107,6 +107,35 @@ def test_failed_and_warmup_requests():
     assert s["peak_concurrency"] == 2
 
 
+def test_goodput_judges_as_guidellm_errored_fail_cancelled_and_undetermined_do_not_count():
+    """vllm-project/guidellm PR #1085's rule, each case apart: the denominator of
+    ``slo_attainment`` holds the met, the missed and the errored requests only."""
+    met = rec(0, 0.0, [0.25, 0.5, 0.75])             # TTFT 0.25, TPOT 0.25
+    missed = rec(1, 0.0, [0.75, 1.0, 1.25])          # TTFT 0.75
+    errored = rec(2, 0.0, [], ok=False, end=0.5)     # a 500, or a broken stream
+    cancelled = rec(3, 0.0, [0.25], ok=False, end=2.0)
+    cancelled.unfinished = True                      # the point ended before it finished
+    one_token = rec(4, 0.0, [0.25])                  # no TPOT to judge
+    unstreamed = rec(5, 0.0, [], end=1.0)            # succeeded, no chunk: no TTFT
+    records = [met, missed, errored, cancelled, one_token, unstreamed]
+    s = summarize(records, parse_slo("ttft=0.5,tpot=0.5"))
+    assert (s["good_requests"], s["judged_requests"]) == (1, 3)
+    assert s["slo_attainment"] == 1 / 3
+    assert s["goodput"] == 1 / 2.0  # the duration still runs to the cancelled request's end
+    # each case moves the figure its own way
+    assert summarize([met, errored], parse_slo("ttft=0.5"))["slo_attainment"] == 0.5
+    assert summarize([met, cancelled], parse_slo("ttft=0.5"))["slo_attainment"] == 1.0
+    assert summarize([met, unstreamed], parse_slo("e2e=2"))["slo_attainment"] == 1.0
+    # a TTFT target alone judges the one-token request; a TPOT target does not
+    assert summarize([one_token], parse_slo("ttft=0.5"))["judged_requests"] == 1
+    assert summarize([one_token], parse_slo("tpot=0.5"))["judged_requests"] == 0
+    assert summarize([one_token], parse_slo("tpot=0.5"))["slo_attainment"] is None
+    # a target it fails decides, even beside one it cannot be judged on
+    assert meets_slo(request_metrics(missed), {"ttft": 0.5, "tpot": 0.5}) is False
+    assert meets_slo(request_metrics(one_token), {"ttft": 0.5, "itl": 0.5}) is None
+    assert summarize([met], SLO())["slo_attainment"] is None
+
+
 def test_concurrency_timeline_half_open():
     records = [rec(0, 0.0, [1.0]), rec(1, 1.0, [2.0]), rec(2, 0.5, [1.5])]
     tl = concurrency_timeline(records)
