@@ -156,8 +156,9 @@ class OverloadShedder:
         self.last_empty = now  # the queue was empty at this time (seconds)
         self.last_shed = -float("inf")
         self._was_empty, self._last_step = True, now
-        # (time, queue length) at each step over the last interval
-        self._lengths: deque[tuple[float, int]] = deque()
+        # (time, queue length) at each step over the last interval, in its two halves with
+        # their sums, so the growth test is O(1) a step
+        self._halves = _Halves(interval)
         # Output tokens of the requests that finished (an exponential average, about 50):
         # what a request without a tight ``max_tokens`` is expected to generate.
         self.typical_output: float | None = None
@@ -190,9 +191,7 @@ class OverloadShedder:
             return
         if num_shed:
             self.last_shed = now
-        self._lengths.append((now, len(waiting)))
-        while self._lengths[0][0] < now - self.interval:
-            self._lengths.popleft()
+        self._halves.add(now, len(waiting))
         if not waiting:
             self.last_empty = now
             if now - self.last_shed > self.interval:
@@ -203,17 +202,15 @@ class OverloadShedder:
                 # started standing when its oldest request arrived (an idle spell is not
                 # a standing queue).
                 self.last_empty = max(self._last_step, min(r.arrival_time for r in waiting))
-            if not self.active and now - self.last_empty > self.interval and self._grew(now):
+            if not self.active and now - self.last_empty > self.interval and self._grew():
                 self.active = True
         self._was_empty, self._last_step = not waiting, now
 
-    def _grew(self, now: float) -> bool:
+    def _grew(self) -> bool:
         """The queue's mean length over the interval's second half is ``GROWTH_REQUESTS``
         above its mean over the first half."""
-        half = now - self.interval / 2
-        old = [n for t, n in self._lengths if t < half]
-        new = [n for t, n in self._lengths if t >= half]
-        return bool(old) and bool(new) and sum(new) / len(new) - sum(old) / len(old) >= GROWTH_REQUESTS
+        growth = self._halves.growth()
+        return growth is not None and growth >= GROWTH_REQUESTS
 
     def _settle_idle_spell(self, waiting: list[Request]) -> None:
         """End overload over an idle spell: the queue was empty at the last step and stayed
@@ -286,3 +283,31 @@ class OverloadShedder:
                 slots.take(slot_s, req)
             ahead += need
         return shed
+
+
+class _Halves:
+    """Queue lengths over the last ``interval`` seconds, split at its middle, with running
+    sums: the mean of each half in O(1), each sample moved and dropped once."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.old: deque[tuple[float, int]] = deque()
+        self.new: deque[tuple[float, int]] = deque()
+        self.old_sum = self.new_sum = 0
+
+    def add(self, now: float, length: int) -> None:
+        self.new.append((now, length))
+        self.new_sum += length
+        while self.new[0][0] < now - self.interval / 2:
+            t, n = self.new.popleft()
+            self.new_sum -= n
+            self.old.append((t, n))
+            self.old_sum += n
+        while self.old and self.old[0][0] < now - self.interval:
+            self.old_sum -= self.old.popleft()[1]
+
+    def growth(self) -> float | None:
+        """The second half's mean length minus the first's; None while a half is empty."""
+        if not self.old or not self.new:
+            return None
+        return self.new_sum / len(self.new) - self.old_sum / len(self.old)

@@ -247,3 +247,29 @@ def test_an_idle_spell_after_shedding_ends_overload():
     s.observe(80.6, [], num_shed=1)
     s.shed([head(85.0), Request("soon", [1] * 10, P, arrival_time=85.0)], [], 85.0, 100)
     assert s.active  # 85 - 80.6 < 10 s of quiet
+
+
+def test_the_running_halves_equal_the_growth_by_its_definition():
+    """The O(1) split of the last interval (``_Halves``) against the means computed from
+    every sample, over a random queue at irregular step times."""
+    import random
+
+    import pytest
+
+    from inflight.core.overload import _Halves
+
+    rng = random.Random(7)
+    halves, samples, now = _Halves(10.0), [], 0.0
+    for _ in range(3000):
+        now += rng.choice([0.001, 0.02, 0.3, 2.0])
+        n = rng.randrange(0, 40)
+        halves.add(now, n)
+        samples.append((now, n))
+        kept = [(t, k) for t, k in samples if t >= now - 10.0]
+        old = [k for t, k in kept if t < now - 5.0]
+        new = [k for t, k in kept if t >= now - 5.0]
+        want = sum(new) / len(new) - sum(old) / len(old) if old and new else None
+        if want is None:
+            assert halves.growth() is None
+        else:
+            assert halves.growth() == pytest.approx(want, abs=1e-9)
