@@ -80,6 +80,34 @@ def test_capacity_simulated_is_repeatable_and_bounded(profile_path, tmp_path):
     assert limit("b")[1]["limits"] == res["limits"]
 
 
+def test_capacity_finds_a_limit_below_one_request_a_second(bundled_model_path, tmp_path):
+    """A slow model on a CPU is the common case (issue 54): one slot and 16 outputs of
+    0.26 s steps serve at most 1 / (16 x 0.26 s + the prefill) = 0.23 req/s, so the limit
+    under a 10 s TTFT p95 lies below that, and the search must find it held there with
+    the next load it tried failing (the bracket: within 1.2x)."""
+    shapes = [StepShape(b, b, b, 0, b * c, 0) for b in (1, 2, 4) for c in (16, 256)]
+    shapes += [StepShape(p + d, d + 1, d + 1, p, d * 64, p * p // 2) for p in (16, 64, 256) for d in (0, 2)]
+
+    def seconds(s: StepShape) -> float:
+        return 0.25 + 0.01 * s.rows + 0.002 * s.prefill_tokens + 1e-7 * s.decode_context
+    prof = StepProfile("measured", fit_cost_model(shapes, [seconds(x) for x in shapes]),
+                       {"dtype": "bfloat16", "block_size": 16, "num_kv_blocks": 4096, "max_model_len": 2048,
+                        "model_path": str(bundled_model_path), "eos_token_ids": [2], "kv_block_bytes": 1,
+                        "config": {"max_num_seqs": 64}},
+                       {"name": "SmolLM2-135M-Instruct", "max_position_embeddings": 2048}, {"cpu": "test"})
+    save_profile(tmp_path / "slow.json", prof)
+    out = tmp_path / "slow_limit.json"
+    rc = main(["bench", "capacity", "--simulate", str(tmp_path / "slow.json"), *COMMON,
+               "--slo", "ttft_p95=10,itl_p95=1", "--save-result", str(out),
+               "--serve-cmd", "inflight serve --port 8000 --max-num-seqs 1"])
+    res = json.loads(out.read_text())["results"][0]
+    assert rc == 0 and res["held"]
+    limit, failed = res["limits"][0], res["failed_above"][0]
+    service = 16 * 0.26 + 0.25 + 0.002 * 64
+    assert 0.05 < limit < 1 / service
+    assert limit < failed <= 1.2 * limit
+
+
 def test_a_replica_what_if_is_compared_with_one_replica(profile_path, tmp_path, capsys):
     """One thing changed against the same baseline: two replicas on the same profile,
     workload and engine, and one; two never predict less than one here (each replica has
