@@ -180,10 +180,12 @@ class CompletionRequest(SamplingRequest):
     candidates per prompt and returns the ``n`` with the highest cumulative logprob.
     ``prompt_logprobs`` (vLLM's) adds ``prompt_logprobs`` to each choice. ``suffix`` is not
     supported and answered with 400. ``max_tokens`` left out is 16, as in OpenAI's legacy
-    API and vLLM (``serving.completion_max_tokens``); ``null`` runs to the context's end.
+    API and vLLM (``serving.completion_max_tokens``); ``null`` runs to the context's end. A
+    text prompt may be ``""``: it is the BOS alone where the tokenizer adds one (vLLM and
+    llama.cpp's server generate from it), else a 400 (no tokens).
     """
 
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    prompt: (str | Annotated[list[str], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: MaxTokens | None = \

@@ -65,12 +65,14 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest,
         prompts: list[list[int]] = []
         for p in raw:
             if isinstance(p, str):
-                ids = await encode(ctx, p, "prompt") if p else []
+                # "" is a prompt where the tokenizer adds a BOS (Gemma: [2]), as in vLLM and
+                # llama.cpp's server; without one it has no tokens and is refused below
+                ids = await encode(ctx, p, "prompt")
             else:
                 check_token_ids(ctx, p, "prompt")
                 ids = list(p)
             if not ids:
-                raise bad_request("prompt: must not be empty", param="prompt")
+                raise bad_request("prompt: must not be empty (it has no tokens)", param="prompt")
             prompts.append(ids)
         structured = await check_structured_outputs(ctx, req)
         prompt_lps = req.prompt_logprobs

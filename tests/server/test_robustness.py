@@ -181,6 +181,22 @@ def test_other_http_errors_are_openai_shaped(url):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_an_empty_prompt_is_its_bos_where_the_tokenizer_adds_one(url, real_engine, monkeypatch):
+    """``""`` tokenizes to the BOS alone on a tokenizer that adds one (Gemma's ``[2]``), and
+    vLLM and llama.cpp's server generate from it; the bundled tokenizer adds none, so there
+    it has no tokens and is a 400. (A bench trace row scaled to one token is ``""``.)"""
+    r = httpx.post(url + "/v1/completions", json={"prompt": "", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and "has no tokens" in r.json()["error"]["message"]
+    tok = real_engine.tokenizer
+    real_encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, add_special_tokens=True: (
+        [1] if add_special_tokens else []) + real_encode(text, add_special_tokens))
+    r = httpx.post(url + "/v1/completions", json={"prompt": "", "max_tokens": 2,
+                                                 "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+
+
 def test_serves_after_bad_input(url):
     for body in ("{broken", json.dumps({"prompt": "", "max_tokens": 1})):
         httpx.post(url + "/v1/completions", content=body,
