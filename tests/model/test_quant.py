@@ -247,7 +247,7 @@ def amx_threshold():
 def test_amx_path_equals_the_vnni_path(amx_threshold, fmt, n, k, dtype):
     """The AMX tiles give the VNNI kernel's bits: exact integer sums, the same float steps;
     rows past one tile (16), past one chunk (32), a lone weight tile, 1 and 2 threads."""
-    k = kernel_k(fmt, k)  # (Q6_K: its products split at 16 values, 16 input rows a pass)
+    k = kernel_k(fmt, k)  # (Q6_K has no AMX path: there the check is that every M agrees)
     g = torch.Generator().manual_seed(n + k)
     weight = sample_weight(fmt, n, k, seed=n + k)
     bias = torch.randn(n, generator=g).to(dtype)

@@ -439,74 +439,6 @@ quad_dot_amx(int fmt, const uint8_t *qs0, const uint8_t *qs1, const uint16_t *d0
         for (int m = 0; m < 16; m++) _mm512_storeu_ps(out + (u * 16 + m) * TILE, acc[u][m]);
 }
 
-/* Q6_K's halves (values 0-15, 16-31) have their own integer scales, so its products split
- * at K = 16: the first and last 16 bytes of each input row (A tiles tmm4, tmm5) against the
- * first and last four VNNI rows of the weight tile (B tiles tmm6, tmm7), each half's int32
- * sums stored apart (tmm0, tmm1; tmm2, tmm3 for the second weight tile, its B halves loaded
- * into tmm6, tmm7 in turn), then joined and scaled exactly as tile_dot does. Up to 16 input
- * rows (M0) a call; out as quad_dot_amx's first input half. */
-static inline __attribute__((always_inline)) void
-scale_block_q6k(const int32_t *lo, const int32_t *hi, const uint8_t *t, const uint16_t *d,
-                int64_t b, const float *dx, const int32_t *corr, const int32_t *corr_lo,
-                const float *dxsx, int64_t xm, int64_t M, __m512 *acc) {
-    __m512 dw, mw;
-    block_scales(Q6_K, t, d, NULL, b, &dw, &mw);
-    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sub_scales(Q6_K, t)));
-    const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sub_scales(Q6_K, t) + 16)));
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t i = b * xm + m;
-        const __m512i s0 = _mm512_add_epi32(_mm512_load_si512((const void *)(lo + 16 * m)),
-                                            _mm512_set1_epi32(corr_lo[i]));
-        const __m512i s1 = _mm512_add_epi32(_mm512_load_si512((const void *)(hi + 16 * m)),
-                                            _mm512_set1_epi32(corr[i] - corr_lo[i]));
-        acc[m] = scale_sums(Q6_K, join_halves(Q6_K, s0, s1, sc0, sc1), dx[i], dxsx[i], dw, mw,
-                            acc[m]);
-    }
-}
-
-static void pair_dot_amx_q6k(const uint8_t *qs0, const uint8_t *qs1, const uint16_t *d0,
-                             const uint16_t *d1, int two, const int8_t *q, const float *dx,
-                             const int32_t *corr, const int32_t *corr_lo, const float *dxsx,
-                             int64_t xm, int64_t M0, int64_t K, float *out) {
-    const int64_t nb = K / QK, tb = tile_bytes(Q6_K);
-    _Alignas(64) uint8_t wbuf[2][512];
-    _Alignas(64) int32_t sums[4][256];
-    __m512 acc[2][16];
-    for (int g = 0; g < 2; g++)
-        for (int m = 0; m < 16; m++) acc[g][m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        _tile_loadd(4, q + b * xm * QK, QK);
-        _tile_loadd(5, q + b * xm * QK + QK / 2, QK);
-        for (int g = 0; g <= two; g++) {
-            const uint8_t *t = (g ? qs1 : qs0) + b * tb;
-            const uint8_t *w = weight_operand(Q6_K, t, tb, wbuf[g]);
-            _tile_loadd(6, w, 64);
-            _tile_loadd(7, w + 256, 64);
-            if (g == 0) {
-                PRODUCT(0, 4, 6, sums[0]);
-                PRODUCT(1, 5, 7, sums[1]);
-            } else {
-                PRODUCT(2, 4, 6, sums[2]);
-                PRODUCT(3, 5, 7, sums[3]);
-            }
-            scale_block_q6k(sums[2 * g], sums[2 * g + 1], t, g ? d1 : d0, b, dx, corr, corr_lo,
-                            dxsx, xm, M0, acc[g]);
-        }
-    }
-    for (int g = 0; g < 2; g++)
-        for (int m = 0; m < 16; m++) _mm512_storeu_ps(out + (g * 16 + m) * TILE, acc[g][m]);
-}
-
-static void configure_tiles_q6k(int64_t M0) {
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette_id = 1;
-    for (int u = 0; u < 4; u++) c.rows[u] = (uint8_t)M0, c.colsb[u] = 64; /* C: tmm0-3 */
-    for (int h = 4; h < 6; h++) c.rows[h] = (uint8_t)M0, c.colsb[h] = QK / 2; /* A halves */
-    for (int h = 6; h < 8; h++) c.rows[h] = 4, c.colsb[h] = 64;          /* B halves */
-    load_tile_config(&c);
-}
-
 static void configure_tiles(int64_t M0, int64_t M1) {
     struct tile_config c;
     memset(&c, 0, sizeof c);
@@ -524,24 +456,11 @@ static void configure_tiles(int64_t M0, int64_t M1) {
 /* One thread's share: input rows in chunks of 32, its weight tiles [lo, hi) in pairs. */
 static void amx_share(int fmt, int is_bf16, const uint8_t *qs, const uint16_t *scales,
                       const uint16_t *mins, const int8_t *q, const float *dx,
-                      const int32_t *corr, const int32_t *corr_lo, const float *dxsx,
-                      const void *bias, void *y, int64_t M, int64_t N, int64_t K, int64_t lo,
-                      int64_t hi) {
+                      const int32_t *corr, const float *dxsx, const void *bias, void *y,
+                      int64_t M, int64_t N, int64_t K, int64_t lo, int64_t hi) {
     const int64_t nb = K / QK, tb = tile_bytes(fmt);
     float out[4 * 16 * TILE];
-    for (int64_t m0 = 0; fmt == Q6_K && m0 < M; m0 += 16) { /* 16 input rows a pass */
-        const int64_t M0 = M - m0 < 16 ? M - m0 : 16, ts = tile_scales(fmt, nb);
-        configure_tiles_q6k(M0);
-        for (int64_t tile = lo; tile < hi; tile += 2) {
-            const int two = tile + 1 < hi;
-            pair_dot_amx_q6k(qs + tile * nb * tb, qs + (tile + 1) * nb * tb, scales + tile * ts,
-                             scales + (tile + 1) * ts, two, q + m0 * QK, dx + m0, corr + m0,
-                             corr_lo + m0, dxsx + m0, M, M0, K, out);
-            for (int g = 0; g <= two; g++)
-                store_tile(is_bf16, y, out + g * 16 * TILE, m0, M0, N, (tile + g) * TILE, bias);
-        }
-    }
-    for (int64_t m0 = 0; fmt != Q6_K && m0 < M; m0 += 32) {
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int64_t mm = M - m0 < 32 ? M - m0 : 32, M0 = mm < 16 ? mm : 16, M1 = mm - M0;
         configure_tiles(M0, M1);
         for (int64_t tile = lo; tile < hi; tile += 2) {
@@ -559,7 +478,7 @@ static void amx_share(int fmt, int is_bf16, const uint8_t *qs, const uint16_t *s
             case Q5_0: QUAD(Q5_0); break;
             case Q5_1: QUAD(Q5_1); break;
             case Q4_K: QUAD(Q4_K); break;
-            default: QUAD(Q5_K); break; /* Q6_K: the split products above */
+            default: QUAD(Q5_K); break; /* Q6_K takes the VNNI path */
             }
 #undef QUAD
             for (int h = 0; h < (M1 ? 2 : 1); h++)
@@ -794,7 +713,8 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
         quantize_row(fmt, is_bf16, (const char *)x + m * K * (is_bf16 ? 2 : 4), K, M,
                      q + m * QK, dx + m, corr + m, corr_lo + m, dxsx + m);
 #ifdef HAVE_AMX
-    const int use_amx = M >= amx_min_rows && amx_permitted();
+    /* Q6_K's halves have their own integer scales: a tile product sums all 32 values */
+    const int use_amx = fmt != Q6_K && M >= amx_min_rows && amx_permitted();
 #endif
     int64_t nt = num_threads < tiles ? num_threads : tiles;
     nt = nt > 1 ? nt : 1;
@@ -804,8 +724,7 @@ int quant_linear(int fmt, int is_bf16, const void *x, const void *qs, const void
         const int64_t lo = tiles * t / n, hi = tiles * (t + 1) / n;
 #ifdef HAVE_AMX
         if (use_amx)
-            amx_share(fmt, is_bf16, qs, scales, mins, q, dx, corr, corr_lo, dxsx, bias, y, M, N,
-                      K, lo, hi);
+            amx_share(fmt, is_bf16, qs, scales, mins, q, dx, corr, dxsx, bias, y, M, N, K, lo, hi);
         else
 #endif
         {
