@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from inflight.engine.engine_client import EngineClient
 from inflight.request import RequestOptions
 from inflight.server import responses as R
-from inflight.server.protocol import MAX_TOKENS_MARK, TOKEN_ID_MARK
+from inflight.server.protocol import MAX_TOKENS_MARK, PROMPT_TEXT_MARK, TOKEN_ID_MARK
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
                               "/v1/embeddings"})
@@ -35,7 +35,8 @@ def package_version() -> str:
 def openapi_document(app: FastAPI, client: EngineClient, model_names: Sequence[str],
                      rate_limited: bool = False) -> dict[str, Any]:
     """The OpenAPI document as this server behaves: validation failures are 400 (FastAPI
-    documents 422); token ids and ``max_tokens`` carry this model's bounds, ``model`` the
+    documents 422); token ids and ``max_tokens`` carry this model's bounds, a completions
+    text prompt ``minLength`` 1 where ``""`` has no token (no BOS added), ``model`` the
     served names, and only the scheduling fields this server's policy acts on are listed;
     so a client, or a fuzzer, learns from it what will be accepted. Built once, cached on
     ``app``."""
@@ -49,8 +50,9 @@ def openapi_document(app: FastAPI, client: EngineClient, model_names: Sequence[s
     schemas = doc.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    _bound(schemas, {TOKEN_ID_MARK: client.tokenizer.vocab_size - 1,
-                     MAX_TOKENS_MARK: client.max_model_len - 1})
+    _bound(schemas, {TOKEN_ID_MARK: ("maximum", client.tokenizer.vocab_size - 1),
+                     MAX_TOKENS_MARK: ("maximum", client.max_model_len - 1),
+                     PROMPT_TEXT_MARK: ("minLength", 0 if client.tokenizer.encode("") else 1)})
     _name_models(doc, schemas, model_names)
     used = RequestOptions.fields_used(client.config.scheduling_policy,
                                       client.config.overload_ttft is not None)
@@ -67,13 +69,13 @@ def openapi_document(app: FastAPI, client: EngineClient, model_names: Sequence[s
     return doc
 
 
-def _bound(node: Any, bounds: dict[str, int]) -> None:
+def _bound(node: Any, bounds: dict[str, tuple[str, int]]) -> None:
     """Replace each bound mark (``protocol.TOKEN_ID_MARK``...) under ``node`` by its
-    ``maximum``."""
+    keyword and value (``maximum``, ``minLength``)."""
     if isinstance(node, dict):
-        for mark, limit in bounds.items():
+        for mark, (keyword, limit) in bounds.items():
             if node.pop(mark, False):
-                node["maximum"] = limit
+                node[keyword] = limit
         for v in node.values():
             _bound(v, bounds)
     elif isinstance(node, list):

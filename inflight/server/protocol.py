@@ -31,9 +31,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Value ranges are declared here so /openapi.json says what the server accepts (a client or
 # a fuzzer learns them there); SamplingParams checks them again for the offline API.
 # The app's OpenAPI document fills in this server's bounds where these marks stand
-# (app._openapi): the vocabulary size and max_model_len.
+# (server/openapi.py): the vocabulary size, max_model_len, and whether "" has a token.
 TOKEN_ID_MARK = "x-inflight-token-id"
 MAX_TOKENS_MARK = "x-inflight-max-tokens"
+PROMPT_TEXT_MARK = "x-inflight-prompt-text"
+# A completions text prompt. "" is its BOS alone where the tokenizer adds one (vLLM's and
+# llama.cpp's behaviour) and a 400 where it adds none: the document's minLength says which.
+PromptText = Annotated[str, Field(json_schema_extra={PROMPT_TEXT_MARK: True})]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopString = NonEmptyStr
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
@@ -185,7 +189,7 @@ class CompletionRequest(SamplingRequest):
     llama.cpp's server generate from it), else a 400 (no tokens).
     """
 
-    prompt: (str | Annotated[list[str], Field(min_length=1)]
+    prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: MaxTokens | None = \

@@ -187,6 +187,10 @@ def test_an_empty_prompt_is_its_bos_where_the_tokenizer_adds_one(url, real_engin
     it has no tokens and is a 400. (A bench trace row scaled to one token is ``""``.)"""
     r = httpx.post(url + "/v1/completions", json={"prompt": "", "max_tokens": 2}, timeout=30)
     assert r.status_code == 400 and "has no tokens" in r.json()["error"]["message"]
+    # and the document says so: a text prompt of at least one character on this tokenizer
+    doc = httpx.get(url + "/openapi.json", timeout=10).json()
+    texts = doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][:2]
+    assert texts[0]["minLength"] == texts[1]["items"]["minLength"] == 1
     tok = real_engine.tokenizer
     real_encode = tok.encode
     monkeypatch.setattr(tok, "encode", lambda text, add_special_tokens=True: (
