@@ -35,6 +35,11 @@ def filters_off(p: SamplingParams) -> bool:
     return p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0
 
 
+def _top_k(params: Sequence[SamplingParams], c: int, device: torch.device) -> torch.Tensor:
+    """``[R]`` each row's top-k within ``c`` sorted columns (``c`` where it has none)."""
+    return torch.tensor([min(p.top_k, c) if p.top_k > 0 else c for p in params], device=device)
+
+
 def _dropped(sorted_logits: torch.Tensor, params: Sequence[SamplingParams],
              log_norm: torch.Tensor) -> torch.Tensor:
     """``[R, C]`` bool: the sorted tokens each row drops.
@@ -46,7 +51,7 @@ def _dropped(sorted_logits: torch.Tensor, params: Sequence[SamplingParams],
             vocabulary), so that ``exp(logit - log_norm)`` is the row's probability.
     """
     dev, c = sorted_logits.device, sorted_logits.shape[-1]
-    top_k = torch.tensor([min(p.top_k, c) if p.top_k > 0 else c for p in params], device=dev)
+    top_k = _top_k(params, c, dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=sorted_logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=sorted_logits.dtype)
     drop = torch.arange(c, device=dev)[None, :] >= top_k[:, None]
@@ -63,7 +68,7 @@ def _log_norm(sorted_logits: torch.Tensor, logits: torch.Tensor,
     one, else over its whole row of ``logits``."""
     c = sorted_logits.shape[-1]
     dev = logits.device
-    top_k = torch.tensor([min(p.top_k, c) if p.top_k > 0 else c for p in params], device=dev)
+    top_k = _top_k(params, c, dev)
     in_k = sorted_logits.masked_fill(torch.arange(c, device=dev)[None, :] >= top_k[:, None],
                                      -float("inf")).logsumexp(dim=-1)
     if all(p.top_k > 0 for p in params):
@@ -104,8 +109,12 @@ def candidates(logits: torch.Tensor, params: Sequence[SamplingParams],
     values, ids = logits.topk(first, dim=-1)
     drop = _dropped(values, params, _log_norm(values, logits, params))
     nucleus = min(v, NUCLEUS_CANDIDATES)
-    counts = [min(p.top_k, v) if p.top_k > 0 else nucleus if bool(drop[i, nucleus - 1]) or
-              nucleus == v else v for i, p in enumerate(params)]
+    # a row without a top-k: its set ends inside the first `nucleus` tokens (first >= nucleus
+    # whenever such a row is here)
+    closed = (drop[:, nucleus - 1].tolist() if any(p.top_k <= 0 for p in params)
+              else [True] * len(params))
+    counts = [min(p.top_k, v) if p.top_k > 0 else nucleus if closed[i] or nucleus == v else v
+              for i, p in enumerate(params)]
     if max(counts) > first:  # a set that reaches past the selection: the full sort
         values, ids = logits.sort(dim=-1, descending=True)
         drop = _dropped(values, params, _log_norm(values, logits, params))

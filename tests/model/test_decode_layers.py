@@ -143,6 +143,28 @@ def decode_meta(positions, timer=NULL_TIMER):
         decode_seq_lens=torch.tensor([p + 1 for p in positions]), timer=timer)
 
 
+def one_call_equals_modules(model, caches, prompts, batch, steps, monkeypatch):
+    """Prefill ``prompts`` through the modules, then ``steps`` decode steps of ``batch``
+    sequences through the one-call path on one copy of ``caches`` and the modules on
+    another: hidden states and every layer's cache equal to the bit (an 8-bit cache as
+    bytes), and the one-call path ran (and did not decline) every step."""
+    prefill(model, prompts, caches)
+    ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
+    calls = []
+    real = llama.decode_layers
+    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    lens, tokens = [len(p) for p in prompts], [7 + i for i in range(batch)]
+    for step in range(steps):
+        a = decode(model, tokens, lens, ours, fused=True)
+        b = decode(model, tokens, lens, theirs, fused=False)
+        assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"
+        for x, y in zip(ours, theirs):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        lens = [n + 1 for n in lens]
+        tokens = [(t * 31 + 5) % model.config.vocab_size for t in tokens]
+    assert calls == [True] * steps
+
+
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [2, 7, 1, 8], [28, 18, 28, 45, 9],
            [90, 45]] + [[(7 * i + j) % 101 for j in range(3 + i % 5)] for i in range(13)]
 
@@ -158,23 +180,8 @@ def test_one_call_decode_equals_modules(dtype, bias, quantization, batch, monkey
     c = model.config
     caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim, dtype=dtype)
               for _ in range(c.num_hidden_layers)]
-    prompts = PROMPTS[:max(2, batch)]
-    prefill(model, prompts, caches)
-    ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
-    calls = []
-    real = llama.decode_layers
-    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
-    lens = [len(p) for p in prompts]
-    tokens = [7 + i for i in range(batch)]
-    for step in range(6):  # crosses block boundaries; past 8 keys the kernel's 16-key tiles
-        a = decode(model, tokens, lens, ours, fused=True)
-        b = decode(model, tokens, lens, theirs, fused=False)
-        assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"
-        for x, y in zip(ours, theirs):
-            assert torch.equal(x, y)
-        lens = [n + 1 for n in lens]
-        tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
-    assert calls == [True] * 6  # the one-call path ran every step
+    # 6 steps cross block boundaries; past 8 keys the kernel's 16-key tiles
+    one_call_equals_modules(model, caches, PROMPTS[:max(2, batch)], batch, 6, monkeypatch)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral_window", "gemma3"])
@@ -190,22 +197,8 @@ def test_every_familys_layer_decodes_in_one_call(family, dtype, quantization, ba
     c = model.config
     caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim, dtype=dtype)
               for _ in range(c.num_hidden_layers)]
-    prompts = PROMPTS[:max(2, batch)]  # 5 and 7 tokens, then 8 decodes: windows of 5 bind
-    prefill(model, prompts, caches)
-    ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
-    calls = []
-    real = llama.decode_layers
-    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
-    lens, tokens = [len(p) for p in prompts], [7 + i for i in range(batch)]
-    for step in range(8):
-        a = decode(model, tokens, lens, ours, fused=True)
-        b = decode(model, tokens, lens, theirs, fused=False)
-        assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"
-        for x, y in zip(ours, theirs):
-            assert torch.equal(x, y)
-        lens = [n + 1 for n in lens]
-        tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
-    assert calls == [True] * 8  # the one-call path ran every step
+    # 5 and 7 tokens, then 8 decodes: windows of 5 bind
+    one_call_equals_modules(model, caches, PROMPTS[:max(2, batch)], batch, 8, monkeypatch)
 
 
 @pytest.mark.parametrize("num_seqs,timed,quantization,one_call", [
@@ -243,22 +236,7 @@ def test_one_call_decode_equals_modules_over_an_8bit_cache(dtype, quantization, 
     c = model.config
     caches = [torch.zeros(2, c.num_key_value_heads, NUM_BLOCKS, BS, c.head_dim + 4,
                           dtype=kv_dtype) for _ in range(c.num_hidden_layers)]
-    prompts = PROMPTS[:batch]
-    prefill(model, prompts, caches)
-    ours, theirs = [t.clone() for t in caches], [t.clone() for t in caches]
-    calls = []
-    real = llama.decode_layers
-    monkeypatch.setattr(llama, "decode_layers", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
-    lens, tokens = [len(p) for p in prompts], [7 + i for i in range(batch)]
-    for step in range(5):
-        a = decode(model, tokens, lens, ours, fused=True)
-        b = decode(model, tokens, lens, theirs, fused=False)
-        assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"
-        for x, y in zip(ours, theirs):
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-        lens = [n + 1 for n in lens]
-        tokens = [(t * 31 + 5) % c.vocab_size for t in tokens]
-    assert calls == [True] * 5
+    one_call_equals_modules(model, caches, PROMPTS[:batch], batch, 5, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
