@@ -9,7 +9,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from inflight.bench.report import prefix_hit_rate
+from inflight.bench.metrics_scrape import prefix_hit_rate
 
 
 def main(out: str) -> None:

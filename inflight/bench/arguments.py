@@ -29,7 +29,9 @@ from inflight.bench.datasets import BUILDERS, DatasetConfig, default_data_dir
 from inflight.bench.simulation import Simulator
 from inflight.bench.subcommands import serve, sweep
 from inflight.bench.sustain import DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE
+from inflight.bench.tiers import parse_tiers
 from inflight.bench.tune import tune
+from inflight.bench.users import THINK_DISTRIBUTIONS
 from inflight.bench.vllm_compat import add_vllm_args, endpoint_type
 
 Command = Callable[[Run], Coroutine[Any, Any, int]]
@@ -59,6 +61,13 @@ def _command(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give the command that starts the server")
     return text
+
+
+def _tiers(text: str) -> Any:
+    try:
+        return parse_tiers(text)
+    except ValueError as e:  # argparse says only "invalid value" for a ValueError
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _floats(text: str) -> list[float]:
@@ -167,6 +176,15 @@ def _arrival_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=1.0,
                    help="trace: multiplies trace times (2 = half the rate)")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    g.add_argument("--users", type=_count(1), default=None, metavar="N",
+                   help="closed loop: N concurrent users, each replaying conversations turn by turn (needs "
+                        "--duration; capacity: search the users sustained, starting at N)")
+    g.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                   help="--users: seconds between an answer's end and the user's next turn (mean)")
+    g.add_argument("--think-time-distribution", choices=THINK_DISTRIBUTIONS, default="constant")
+    g.add_argument("--ramp-duration", "--concurrency-ramp-duration", dest="ramp_duration", type=float,
+                   default=None, metavar="S", help="--users: the users start evenly over S s (default: half "
+                                                   "the warm-up)")
     g.add_argument("--duration", type=float, default=None, metavar="S",
                    help="measurement window: the requests arriving during S seconds (and at least "
                         "--num-prompts) are the sample, after a warm-up and followed by a cool-down "
@@ -288,6 +306,11 @@ def _search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-max", type=_rate, default=1000.0)
     g.add_argument("--time-scale-min", type=_rate, default=0.001, help="--arrival trace: smallest time scale")
     g.add_argument("--time-scale-max", type=_rate, default=1000.0, help="--arrival trace: largest time scale")
+    g.add_argument("--users-min", type=_count(1), default=1, help="--users: fewest users tried")
+    g.add_argument("--users-max", type=_count(1), default=4096, help="--users: most users tried")
+    g.add_argument("--slo-tiers", type=_tiers, default=None, metavar="TOK_S:TTFT,...",
+                   help="--users: the users sustained per tier, each a per-user output speed floor and a TTFT "
+                        "ceiling (tpot_p95 <= 1/speed, ttft_p95 <= TTFT), e.g. 10:2s,30:1s")
     g.add_argument("--tolerance", type=_rate, default=0.1, help="stop when hi/lo <= 1 + tolerance")
     g.add_argument("--max-points", type=_count(1), default=12, help="points per search")
     g.add_argument("--repeats", type=_count(1), default=1, help="searches (seeds seed, seed+1, ...)")

@@ -80,7 +80,7 @@ Advise = Callable[[], Awaitable[float | None]]
 
 async def search(measure: Measure, start: float, min_load: float, max_load: float,
                  tolerance: float = 0.1, max_points: int = 16, step: float = 2.0,
-                 advise: Advise | None = None) -> SearchResult:
+                 advise: Advise | None = None, grid: float | None = None) -> SearchResult:
     """Bracket then bisect the pass/fail boundary of ``measure`` over load (see module doc).
 
     ``step``: the first bracketing step's factor (2: double or halve). Each further step
@@ -89,13 +89,15 @@ async def search(measure: Measure, start: float, min_load: float, max_load: floa
     it in a few. ``advise``: asked once, after the first point, for a better guess of the
     boundary (a prediction refined with what that point showed); the second point goes
     there when it lies on the side the first point's verdict points to, at least ``step``
-    away.
+    away. ``grid``: loads are multiples of it (1: a count of users), each step moves by at
+    least one, and the bisection ends where the bracket is one apart.
     """
     if not (0 < min_load <= start <= max_load):
         raise ValueError("need 0 < min_load <= start <= max_load")
     if not step > 1:
         raise ValueError("need step > 1")
-    run = _Search(measure, min_load, max_load, max_points, step, advise)
+    run = _Search(measure, min_load, max_load, max_points, step, advise, grid)
+    start = run.snap(start)
     lo: float | None
     hi: float | None
     if await run.probe(start):
@@ -119,7 +121,19 @@ class _Search:
     max_points: int
     step: float
     advise: Advise | None
+    grid: float | None = None
     points: list[PointOutcome] = field(default_factory=list)
+
+    def snap(self, x: float) -> float:
+        """``x`` on the grid (the nearest multiple, within the bounds); ``x`` without one."""
+        return x if self.grid is None else on_grid(x, self.grid, self.min_load, self.max_load)
+
+    def beyond(self, x: float, last: float, up: bool) -> float:
+        """``x`` on the grid, at least one grid step past ``last`` in the search's direction."""
+        x = self.snap(x)
+        if self.grid is not None and (x <= last if up else x >= last):
+            x = last + self.grid if up else last - self.grid
+        return x
 
     async def probe(self, x: float) -> bool:
         """Measure load ``x``; whether it passed."""
@@ -149,7 +163,7 @@ class _Search:
         """From a passing load, step up until one fails: (highest pass, the failure or None)."""
         factor = self.step
         while len(self.points) < self.max_points and lo < self.max_load:
-            x = await self.advised(min(lo * factor, self.max_load), up=True)
+            x = self.beyond(await self.advised(min(lo * factor, self.max_load), up=True), lo, up=True)
             factor = self.gallop(factor)
             if not await self.probe(x):
                 return lo, x
@@ -160,7 +174,7 @@ class _Search:
         """From a failing load, step down until one passes: (the pass or None, lowest failure)."""
         factor = self.step
         while len(self.points) < self.max_points and hi > self.min_load:
-            x = await self.advised(max(hi / factor, self.min_load), up=False)
+            x = self.beyond(await self.advised(max(hi / factor, self.min_load), up=False), hi, up=False)
             factor = self.gallop(factor)
             if await self.probe(x):
                 return x, hi
@@ -170,7 +184,11 @@ class _Search:
     async def bisect(self, lo: float, hi: float, tolerance: float) -> float:
         """Bisect [lo, hi] at geometric means until ``hi / lo <= 1 + tolerance``; the highest pass."""
         while hi / lo > 1 + tolerance and len(self.points) < self.max_points:
+            if self.grid is not None and hi - lo <= self.grid:
+                break
             mid = math.sqrt(lo * hi)
+            if self.grid is not None:
+                mid = min(max(self.snap(mid), lo + self.grid), hi - self.grid)
             if await self.probe(mid):
                 lo = mid
             else:
@@ -201,9 +219,10 @@ class HoldResult:
 
 
 async def hold(search: SearchResult, measure: Measure, tolerance: float, min_load: float,
-               max_holds: int = 3) -> HoldResult:
+               max_holds: int = 3, grid: float | None = None) -> HoldResult:
     """Hold ``search.limit`` with ``measure`` (a longer point); step down by ``1 + tolerance``
-    after each failure, at most ``max_holds`` holds and not below ``min_load``."""
+    (on the ``grid``, at least one step of it) after each failure, at most ``max_holds``
+    holds and not below ``min_load``."""
     holds: list[PointOutcome] = []
     load = search.limit
     while load is not None and load >= min_load and len(holds) < max_holds:
@@ -211,5 +230,11 @@ async def hold(search: SearchResult, measure: Measure, tolerance: float, min_loa
         holds.append(p)
         if p.passed:
             return HoldResult(load, holds)
-        load = load / (1 + tolerance)
+        down = load / (1 + tolerance)
+        load = down if grid is None else min(on_grid(down, grid, grid, load), load - grid)
     return HoldResult(None, holds)
+
+
+def on_grid(x: float, grid: float, lo: float, hi: float) -> float:
+    """The multiple of ``grid`` nearest ``x``, within ``[lo, hi]``."""
+    return min(max(round(x / grid) * grid, lo), hi)

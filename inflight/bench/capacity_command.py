@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from dataclasses import replace
 from typing import Any
 
 from inflight.bench.connect import Run, calibration, connector, header
-from inflight.bench.limit import LimitResult, Predictor, find_limit, limit_line
+from inflight.bench.limit import Connect, LimitResult, Predictor, SharedPoints, find_limit, limit_line
 from inflight.bench.machine import describe_machine
 from inflight.bench.report import plot_capacity, write_json
 from inflight.bench.report_page import write_report
+from inflight.bench.session import Session
+from inflight.bench.tiers import tier_lines, tier_table
 from inflight.bench.vllm_result import result_path
 
 
@@ -30,17 +33,24 @@ async def capacity(run: Run) -> int:
             pids: list[int] | None = None
             if config.server.calibrate:
                 command, predict, pids = calibration(run, command, value)
-            res = await find_limit(connector(run, stack, command, value or "server", pids), plan.base,
-                                   plan.slo, space, th, label=value, predictor=predict)
+            connect = connector(run, stack, command, value or "server", pids)
+            if config.tiers:
+                found = await _per_tier(run, _once(connect), value, predict)
+            else:
+                found = [await find_limit(connect, plan.base, plan.slo, space, th, label=value, predictor=predict)]
+        for res in found:
             res.command = command
-        results.append(res)
-        print(("SIMULATED " if run.simulated else "") + limit_line(res, space.by_scale))
+            print(("SIMULATED " if run.simulated else "") + limit_line(res, space.by_scale, space.unit))
+        results += found
     doc: dict[str, Any] = {
         **header(config, "capacity"), "simulated": run.simulated,
         "machine": {"start": machine_start, "end": describe_machine()},
-        "slo": plan.slo.to_json(), "search": "time_scale" if space.by_scale else "rate",
+        "slo": plan.slo.to_json(), "search": space.name,
         "hold_duration": space.hold_duration, "arrival": plan.base.describe(), "thresholds": th.__dict__.copy(),
         "preemption_threshold": th.preemption_threshold, "results": [r.to_json() for r in results]}
+    if config.tiers:
+        doc["tiers"] = tier_table(config.tiers, config.server.knob_values(), results)
+        print(tier_lines(doc["tiers"]))
     if config.simulate is not None and config.simulate.replicas > 1:
         doc["one_replica"] = await _one_replica_baseline(run, results)
     out = result_path(config, "capacity", config.load.model)
@@ -48,11 +58,43 @@ async def capacity(run: Run) -> int:
         write_json(out, doc)
     if config.output.plot:
         pts = [p for r in results for p in r.curve]
-        plot_capacity(config.output.plot, pts, plan.slo, "1 / time scale" if space.by_scale else "request rate (req/s)")
+        plot_capacity(config.output.plot, pts, plan.slo, "1 / time scale" if space.by_scale else
+                      "users" if space.users else "request rate (req/s)")
     if config.output.report:
         path = write_report(config.output.report, doc)
         print(f"report: {path}")
     return 0 if all(r.spread["found"] for r in results) else 1
+
+
+async def _per_tier(run: Run, connect: Connect, value: str | None, predict: Predictor | None) -> list[LimitResult]:
+    """The users sustained per ``--slo-tiers`` tier, one search each over points they share
+    (``limit.SharedPoints``): a point measured for one tier is judged again for the next
+    where its looks suffice. Each search starts at its tier's prediction (``--calibrate``),
+    else at the last one's limit."""
+    plan = run.config.plan()
+    shared: SharedPoints = {}
+    space = plan.space
+    out = []
+    for tier in run.config.tiers:
+        print(f"tier {tier.name}", file=sys.stderr)
+        label = tier.name if value is None else f"{value}, {tier.name}"
+        res = await find_limit(connect, plan.base, tier.slo(plan.slo), space, plan.thresholds, label=label,
+                               predictor=predict, shared=shared)
+        out.append(res)
+        if res.limits and res.limits[0] is not None:
+            space = replace(space, start=min(max(res.limits[0], space.lo), space.hi))
+    return out
+
+
+def _once(connect: Connect) -> Connect:
+    """``connect``, run once: every tier's search uses the same server and session."""
+    opened: list[Session] = []
+
+    async def once() -> Session:
+        if not opened:
+            opened.append(await connect())
+        return opened[0]
+    return once
 
 
 async def _one_replica_baseline(run: Run, results: list[LimitResult]) -> list[dict[str, Any]]:

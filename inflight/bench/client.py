@@ -74,6 +74,12 @@ class RequestRecord:
     # are the retry's): not a failure, counted in the summary (stats.summarize).
     connection_retries: int = 0
     model: str | None = None  # the model name sent: a LoRA adapter's with --lora-modules
+    # Closed loop (--users): which user sent it, from which conversation, which turn (0-based)
+    # of how many.
+    user: int | None = None
+    conversation: int | None = None
+    turn: int | None = None
+    turns: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

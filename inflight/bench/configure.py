@@ -16,6 +16,8 @@ from inflight.bench.run_config import BenchConfig, OutputOptions, ServerOptions
 from inflight.bench.session import ArrivalConfig, LoadConfig
 from inflight.bench.simulation import SimulateOptions
 from inflight.bench.summary import SLO, parse_slo
+from inflight.bench.confidence import n_min_for
+from inflight.bench.tiers import SloTier
 from inflight.bench.sustain import (DEFAULT_PREEMPTION_THRESHOLD, DEFAULT_QUEUE_TOLERANCE, DEFAULT_RATE_TOLERANCE,
                                     Thresholds, strictest_n_min)
 from inflight.bench.vllm_compat import (SAMPLING_FLAGS, Resolved, SpelledFlags, merge_goodput,
@@ -40,8 +42,10 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     arrival = _arrival(args, resolved, command, slo)
     space: SearchSpace | None = None
     knobs: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    tiers = _tiers(args, command)
     if command in SEARCHES:
-        require_aggregate(slo)
+        if not tiers:
+            require_aggregate(slo)
         space = search_space(args, arrival)
         if command == "tune":
             knobs = tuple((name, tuple(values)) for name, values in map(parse_knob, args.knob))
@@ -51,7 +55,14 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
                                  if args.simulate else None),
                        space=space, request_rates=tuple(getattr(args, "request_rates", None) or ()),
                        time_scales=tuple(getattr(args, "time_scales", None) or ()), knobs=knobs,
-                       fresh=bool(getattr(args, "fresh", False)), recorded=_recorded(args, resolved))
+                       fresh=bool(getattr(args, "fresh", False)), recorded=_recorded(args, resolved), tiers=tiers)
+
+
+def _tiers(args: argparse.Namespace, command: str) -> tuple[SloTier, ...]:
+    tiers: tuple[SloTier, ...] = getattr(args, "slo_tiers", None) or ()
+    if tiers and (command != "capacity" or not args.users):
+        raise ValueError("--slo-tiers finds the users sustained per tier: it needs bench capacity --users")
+    return tiers
 
 
 def _spelled(args: argparse.Namespace) -> SpelledFlags:
@@ -146,10 +157,30 @@ def _arrival(args: argparse.Namespace, r: Resolved, command: str, slo: SLO) -> A
     if duration is None and (args.warmup_duration is not None or args.drain_timeout is not None):
         raise ValueError("--warmup-duration and --drain-timeout need --duration (a measurement window)")
     min_requests = max(r.num_prompts, strictest_n_min(slo, args.confidence)) if duration else 0
+    if args.users:
+        if command == "sweep":
+            raise ValueError("bench sweep varies the request rate; for users run bench serve --users N per count, "
+                             "or bench capacity --users")
+        _check_users(args, r, duration)
+        # A tier's p95s need the sample of one, whatever --slo holds.
+        min_requests = max(min_requests, n_min_for("p95", args.confidence))
+    elif args.think_time or args.ramp_duration is not None:
+        raise ValueError("--think-time and --ramp-duration shape closed-loop users: they need --users N")
     return ArrivalConfig(process=r.arrival, rate=args.request_rate, burstiness=args.burstiness,
                          time_scale=args.time_scale, seed=args.seed, duration=duration,
                          warmup_duration=args.warmup_duration, drain_timeout=args.drain_timeout,
-                         min_requests=min_requests)
+                         min_requests=min_requests, users=args.users, think_time=args.think_time,
+                         think_distribution=args.think_time_distribution, ramp_duration=args.ramp_duration)
+
+
+def _check_users(args: argparse.Namespace, r: Resolved, duration: float | None) -> None:
+    if duration is None:
+        raise ValueError("--users is measured over a window: give --duration S")
+    if r.arrival == "trace" or args.max_concurrency:
+        raise ValueError("--users is a closed loop: its users set the arrivals and the concurrency "
+                         "(no --arrival trace or --max-concurrency)")
+    if args.think_time < 0 or (args.ramp_duration is not None and args.ramp_duration < 0):
+        raise ValueError("--think-time and --ramp-duration must be >= 0")
 
 
 def _thresholds(args: argparse.Namespace) -> Thresholds:
@@ -178,6 +209,8 @@ def search_space(args: argparse.Namespace, base: ArrivalConfig) -> SearchSpace:
     common: dict[str, Any] = dict(tolerance=args.tolerance, max_points=args.max_points, repeats=args.repeats,
                                   hold_duration=hold or None, max_holds=args.max_holds,
                                   max_extensions=args.max_extensions)
+    if base.users:
+        return SearchSpace(False, base.users, args.users_min, max(args.users_max, base.users), users=True, **common)
     if base.process == "trace":
         return SearchSpace(True, 1 / base.time_scale, 1 / args.time_scale_max, 1 / args.time_scale_min, **common)
     return SearchSpace(False, args.rate_start, args.rate_min, args.rate_max, **common)

@@ -33,6 +33,12 @@ def _sent_as(spec: RequestSpec, messages: list[dict[str, Any]]) -> RequestSpec:
                                prompt_len=None, exact=False)
 
 
+def with_history(spec: RequestSpec, history: list[dict[str, Any]]) -> RequestSpec:
+    """``spec`` sent after ``history`` (earlier messages, answers included): its messages
+    appended to them; ``spec`` itself where there is no history."""
+    return _sent_as(spec, [*history, *spec.as_messages()]) if history else spec
+
+
 @dataclass
 class _Turn:
     messages: list[dict[str, Any]] | None = None  # what this turn sent (history + its message); None: not sent

@@ -22,12 +22,14 @@ from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset
 from inflight.bench.looks import goes_on, look_summary, settle, view_at
 from inflight.bench.metrics_scrape import Scraper
 from inflight.bench.prompts import make_counter
-from inflight.bench.schedule import Slot, plan_point
+from inflight.bench.schedule import Slot, plan_point, plan_users
 from inflight.bench.server_routes import (http_client, reset_prefix_cache, send_request, server_models, wait_idle,
                                           warm_up)
 from inflight.bench.session import ArrivalConfig, LoadConfig, PointResult, Session
 from inflight.bench.summary import SLO, summarize
 from inflight.bench.sustain import UNDECIDED, Thresholds, Window, judge
+from inflight.bench.user_load import UserLoad
+from inflight.bench.users import ConversationSupply
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class HttpTarget:
         await wait_idle(session)
         if session.load.reset_prefix_cache:
             await reset_prefix_cache(session)
+        if arrival.users:
+            return await _PointRun(session, [], plan_users(arrival), slo, thresholds, arrival).run()
         slots, window = await plan_point(session, arrival)
         return await _PointRun(session, slots, window, slo, thresholds, arrival).run()
 
@@ -130,6 +134,9 @@ class _PointRun:
         self.conversations = ConversationLog()
         self.bar: Any = None
         self.t0 = time.perf_counter()
+        # Closed loop: users send, each turn after the last answer, carrying its history.
+        self.users = (UserLoad(arrival, ConversationSupply(session), self.looks, arrival.min_requests, self.clock,
+                               self.launch) if arrival.users else None)
 
     def clock(self) -> float:
         return time.perf_counter() - self.t0
@@ -138,7 +145,7 @@ class _PointRun:
         load = self.session.load
         before = await self.scraper.scrape() if load.scrape_metrics else None
         total = sum(1 for s in self.slots if s.phase == "sample" and s.offset < self.first_end)
-        self.bar = _progress(total, load.progress)
+        self.bar = _progress(None if self.users else total, load.progress)
         stop = asyncio.Event()
         started_at, self.t0 = time.time(), time.perf_counter()
         scrape_task = (asyncio.create_task(self.scraper.run(stop, load.metrics_interval, self.t0))
@@ -165,11 +172,17 @@ class _PointRun:
         result.finish_summary()
         return result
 
+    def launch(self, record: RequestRecord, spec: RequestSpec) -> asyncio.Task[RequestRecord]:
+        """Send ``spec`` now as ``record`` (a user's turn, its history in it)."""
+        self.records.append(record)
+        self.tasks.append(asyncio.create_task(self.one(record, spec)))
+        return self.tasks[-1]
+
     async def one(self, record: RequestRecord, spec: RequestSpec) -> RequestRecord:
         # Cancelled by the point's end (ours, not the caller's), a task just stops: settle
-        # gives its record the outcome. A follow-up turn first waits for its previous
-        # turn's answer, holding no concurrency slot.
-        sent, turn = await self.conversations.prepare(spec)
+        # gives its record the outcome. A follow-up turn of an open-loop replay first waits
+        # for its previous turn's answer, holding no concurrency slot (users wait themselves).
+        sent, turn = (spec, None) if self.users else await self.conversations.prepare(spec)
         try:
             if self.sem is None:
                 await send_request(self.session, sent, record, self.clock)
@@ -183,6 +196,8 @@ class _PointRun:
         return record
 
     async def sender(self) -> None:
+        if self.users is not None:
+            return await self.users.run(self.sent_past)
         longest = self.looks[-1] if self.looks else None
         try:
             for i, slot in enumerate(self.slots):
@@ -204,8 +219,9 @@ class _PointRun:
     async def watch(self, send_task: asyncio.Task[None], history: list[dict[str, Any]]) -> float:
         """Take the looks in turn until one decides the point (or the last); cancel what is
         still running; phase the records by that look's window. Returns the end time (s)."""
-        for k, w in enumerate(self.looks):
+        for k in range(len(self.looks)):
             await self.sent_past[k].wait()
+            w = self.looks[k]  # users resolve the looks as the point runs
             sample = [t for t, r in zip(self.tasks, self.records) if w.start <= r.scheduled_time < w.end]
             left = w.deadline - self.clock()
             if sample and left > 0:
@@ -240,7 +256,7 @@ def _all_done(tasks: Sequence[asyncio.Task[RequestRecord]], records: Sequence[Re
     return bool(sample) and all(t.done() for t in sample)
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _progress(total: int | None, enabled: bool) -> Any:
     """The requests' progress bar, on a terminal only: ``disable=None`` is tqdm's "off
     where stderr is not a TTY", so a log file gets no thousands of bar updates."""
     if not enabled:

@@ -17,11 +17,9 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Protocol, TextIO
 
-import numpy as np
 
 from inflight.bench import capacity as cap
 from inflight.bench.limit_doc import best_point, crossings, lost_because, shed_note
-from inflight.bench.queue_trend import in_flight_at
 from inflight.bench.session import ArrivalConfig, PointResult, Session, run_point
 from inflight.bench.summary import SLO
 from inflight.bench.sustain import Thresholds, evidence_lines
@@ -29,7 +27,8 @@ from inflight.bench.sustain import Thresholds, evidence_lines
 
 @dataclass
 class SearchSpace:
-    """What a search varies: the request rate, or (trace replay) 1 / time scale."""
+    """What a search varies: the request rate, (trace replay) 1 / time scale, or
+    (``users``) the number of concurrent users, a whole number."""
 
     by_scale: bool
     start: float
@@ -42,13 +41,30 @@ class SearchSpace:
     max_holds: int = 3
     max_extensions: int = 2  # an undecided search point's window grows this many times at most
     hold_looks: int = 3  # a hold is judged at each third of its window; a conclusive failure ends it
+    users: bool = False
 
     def x(self, load: float | None) -> float | None:
-        """The load as the user set it: a rate, or a time scale."""
+        """The load as the user set it: a rate, a time scale, or users."""
         return None if load is None else (1 / load if self.by_scale else load)
 
     def describe(self, load: float) -> str:
+        if self.users:
+            return f"users={load:.0f}"
         return f"time_scale={1 / load:.4g}" if self.by_scale else f"rate={load:.4g}"
+
+    @property
+    def unit(self) -> str:
+        return "users" if self.users else "time scale" if self.by_scale else "req/s"
+
+    @property
+    def name(self) -> str:
+        """The search's name in a result: rate, time_scale or users."""
+        return "users" if self.users else "time_scale" if self.by_scale else "rate"
+
+    @property
+    def grid(self) -> float | None:
+        """Loads are whole users; rates and time scales are continuous."""
+        return 1.0 if self.users else None
 
     def arrival(self, base: ArrivalConfig, load: float, repeat: int, held: bool = False) -> ArrivalConfig:
         """The point's arrivals. A search point's window may be extended ``max_extensions``
@@ -65,7 +81,9 @@ class SearchSpace:
             if base.duration and base.min_requests:
                 # The sample grows with the window: a hold of 5 windows counts >= 5x the requests.
                 extra["min_requests"] = math.ceil(base.min_requests * part / base.duration)
-        if self.by_scale:
+        if self.users:
+            extra["users"] = int(round(load))
+        elif self.by_scale:
             extra["time_scale"] = 1 / load
         else:
             extra["rate"] = load
@@ -94,10 +112,11 @@ class Prediction:
 class Predictor(Protocol):
     """Predicts a configuration's operating limit before its real search
     (``sim.calibrate.CalibratedPredictor``): ``predict`` once (it may load the server to
-    learn it), ``refine`` after the search's first point, with what the server did there."""
+    learn it), ``refine`` after the search's first point, with what the server did there;
+    both for the search's own ``slo`` (each ``--slo-tiers`` tier has its own)."""
 
-    async def predict(self, session: Session) -> Prediction: ...
-    async def refine(self, session: Session) -> Prediction: ...
+    async def predict(self, session: Session, slo: SLO) -> Prediction: ...
+    async def refine(self, session: Session, slo: SLO) -> Prediction: ...
 
 
 @dataclass
@@ -146,25 +165,17 @@ class PointCache(Protocol):
             held: bool = False) -> None: ...
 
 
-def timeline(point: PointResult, samples: int = 400) -> dict[str, Any]:
-    """The point's in-flight count (client side, at ``samples`` times) and scraped gauges."""
-    end = max((r.end_time for r in point.records), default=0.0)
-    step = max(end / samples, 0.01)
-    ts = np.arange(0.0, end + step, step)
-    q = in_flight_at(point.records, ts) if point.records else np.zeros_like(ts)
-    w = point.window
-    return {"t": [round(float(t), 3) for t in ts], "in_flight": [int(v) for v in q],
-            "server": point.metrics_samples,
-            "output_tokens": [r.output_tokens for r in point.records if r.phase == "sample" and r.success],
-            "window": None if w is None else {"start": w.start, "end": w.end, "deadline": w.deadline}}
-
-
 Connect = Callable[[], Awaitable[Session]]
+
+# Points measured for one SLO and judged again for another (``--slo-tiers``), by (repeat,
+# load, held): the records do not depend on the targets, only how long the point ran.
+SharedPoints = dict[tuple[int, float, bool], PointResult]
 
 
 async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: SearchSpace,
                      thresholds: Thresholds, label: str | None = None, cache: PointCache | None = None,
-                     hold: bool = True, log: TextIO | None = None, predictor: Predictor | None = None) -> LimitResult:
+                     hold: bool = True, log: TextIO | None = None, predictor: Predictor | None = None,
+                     shared: SharedPoints | None = None) -> LimitResult:
     """Search ``space.repeats`` times for the highest sustained load, each search's limit
     then held for ``space.hold_duration`` s (unless ``hold`` is False or it is unset; see
     ``capacity``). ``connect`` returns the session (starting the server where needed); it is
@@ -172,9 +183,11 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
     predict the limit (``Prediction``); where usable, each search starts there and steps by
     ``1 + tolerance`` (verify around it) instead of from ``space.start`` by doubling, and
     its second point goes where the prediction refined by the first point says
-    (``capacity.search``'s ``advise``).
+    (``capacity.search``'s ``advise``). ``shared``: points other searches measured, judged
+    again for ``slo`` where they suffice (``PointResult.rejudged``), and this search's added.
     """
     run = _LimitRun(connect, base, slo, space, thresholds, cache, log or sys.stderr, predictor)
+    run.shared = shared
     start, step = await run.start()
     holding = hold and bool(space.hold_duration)
     limits: list[float | None] = []
@@ -183,12 +196,13 @@ async def find_limit(connect: Connect, base: ArrivalConfig, slo: SLO, space: Sea
     bounded = True
     for rep in range(space.repeats):
         res = await cap.search(run.measure(rep, held=False), start, space.lo, space.hi, space.tolerance,
-                               space.max_points, step, run.advise if rep == 0 else None)
+                               space.max_points, step, run.advise if rep == 0 else None, space.grid)
         limit, first_fail = res.limit, res.failed_above
         bounded &= res.bounded
         curve += run.curve_points(res.points, rep, held=False)
         if holding:
-            held = await cap.hold(res, run.measure(rep, held=True), space.tolerance, space.lo, space.max_holds)
+            held = await cap.hold(res, run.measure(rep, held=True), space.tolerance, space.lo, space.max_holds,
+                                  space.grid)
             curve += run.curve_points(held.holds, rep, held=True)
             limit = held.limit
             fails = [x for x in (first_fail, held.failed_above) if x is not None]
@@ -217,6 +231,7 @@ class _LimitRun:
         self.fixed: dict[str, Any] = {}
         self.prediction: Prediction | None = None
         self.refined: list[Prediction] = []
+        self.shared: SharedPoints | None = None
 
     async def connected(self) -> Session:
         if self.session is None:
@@ -230,7 +245,7 @@ class _LimitRun:
         start, step = min(max(space.start, space.lo), space.hi), 2.0
         if self.predictor is None:
             return start, step
-        self.prediction = await self.predictor.predict(await self.connected())
+        self.prediction = await self.predictor.predict(await self.connected(), self.slo)
         _print_prediction(self.log, space, self.prediction)
         if self.prediction.usable and self.prediction.limit is not None:
             start, step = min(max(self.prediction.limit, space.lo), space.hi), 1 + space.tolerance
@@ -244,7 +259,7 @@ class _LimitRun:
         pred = self.prediction
         if self.predictor is None or pred is None or not pred.usable or self.session is None:
             return None
-        again = await self.predictor.refine(self.session)
+        again = await self.predictor.refine(self.session, self.slo)
         self.refined.append(again)
         _print_prediction(self.log, self.space, again, refined=True)
         return again.limit if again.usable else None
@@ -263,11 +278,19 @@ class _LimitRun:
             _print_point(self.log, self.space, load, outcome, cached=True, held=held)
             return outcome
         session = await self.connected()
-        point = await run_point(session, self.space.arrival(self.base, load, rep, held), self.slo, self.thresholds)
+        earlier = None if self.shared is None else self.shared.get((rep, load, held))
+        verdict = None if earlier is None else earlier.rejudged(self.slo, self.thresholds)
+        if earlier is not None and verdict is not None:
+            point = earlier
+        else:
+            point = await run_point(session, self.space.arrival(self.base, load, rep, held), self.slo,
+                                    self.thresholds)
+            verdict = point.verdict(self.slo, self.thresholds)
+            if self.shared is not None:
+                self.shared[(rep, load, held)] = point
         self.fixed = session.fixed()  # after the point: the mix may have grown for it
-        verdict = point.verdict(self.slo, self.thresholds)
         outcome = cap.PointOutcome(load, verdict.passed, verdict.reasons, point.summary, verdict.evidence,
-                                   timeline(point))
+                                   point.timeline())
         if self.cache is not None:
             self.cache.put(rep, load, outcome.to_json(), self.fixed, held)
         _print_point(self.log, self.space, load, outcome, held=held)
@@ -282,7 +305,7 @@ def long_window_note(space: SearchSpace, base: ArrivalConfig, load: float) -> st
     """Say up front when points near ``load`` (req/s) take much longer than ``--duration``:
     a window lasts until ``min_requests`` arrivals (the fewest that bound the p95s), so at
     a low limit the run's time is set by the rate, not the flag. None when it is not so."""
-    if space.by_scale or not base.duration or not base.min_requests or load <= 0:
+    if space.by_scale or space.users or not base.duration or not base.min_requests or load <= 0:
         return None
     window = base.min_requests / load
     if window <= 1.5 * base.duration:
@@ -292,7 +315,7 @@ def long_window_note(space: SearchSpace, base: ArrivalConfig, load: float) -> st
 
 
 def _print_prediction(log: TextIO, space: SearchSpace, p: Prediction, refined: bool = False) -> None:
-    unit = "time scale" if space.by_scale else "req/s"
+    unit = space.unit
     if p.limit is None:
         head = "no load met the SLO in the simulation"
     else:
@@ -338,9 +361,10 @@ def p95_line(summary: dict[str, Any]) -> str:
             f"{'-' if tput is None else f'{tput:.1f}'} output tok/s")
 
 
-def limit_line(res: LimitResult, by_scale: bool) -> str:
-    """One printable line: the limit, its spread over repeats, the bracket above it."""
-    unit = "time scale" if by_scale else "req/s"
+def limit_line(res: LimitResult, by_scale: bool, unit: str | None = None) -> str:
+    """One printable line: the limit, its spread over repeats, the bracket above it
+    (``unit``: the search's, where not req/s or time scale)."""
+    unit = unit or ("time scale" if by_scale else "req/s")
     head = f"value={res.label}: " if res.label is not None else ""
     sp = res.spread
     shed = shed_note(res.curve)

@@ -109,3 +109,16 @@ class Scraper:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except TimeoutError:
                 pass
+
+
+def prefix_hit_rate(counters: dict[str, float]) -> float | None:
+    """Prefix-cache hits over queries (tokens) during a run, from the server's counters as
+    scraped (``inflight:`` or ``vllm:`` names); None where the server reports neither or
+    nothing was queried."""
+    def total(name: str) -> float | None:
+        vals = [v for k, v in counters.items() if k.rsplit(":", 1)[-1] == name]
+        return sum(vals) if vals else None
+    queries, hits = total("prefix_cache_queries_total"), total("prefix_cache_hits_total")
+    if not queries or hits is None:
+        return None
+    return hits / queries

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from inflight.bench.client import RequestRecord
 from inflight.bench.figures import figure, legend, plottable, save
+from inflight.bench.metrics_scrape import prefix_hit_rate
 from inflight.bench.summary import SLO, concurrency_timeline, request_metrics
 
 _LAT_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
@@ -22,19 +23,6 @@ def _fmt(v: float | None, unit: str = "", scale: float = 1.0, digits: int = 2) -
     if isinstance(v, int) and scale == 1.0:
         return f"{v}{unit}"
     return f"{v * scale:.{digits}f}{unit}"
-
-
-def prefix_hit_rate(counters: dict[str, float]) -> float | None:
-    """Prefix-cache hits over queries (tokens) during a run, from the server's counters as
-    scraped (``inflight:`` or ``vllm:`` names); None where the server reports neither or
-    nothing was queried."""
-    def total(name: str) -> float | None:
-        vals = [v for k, v in counters.items() if k.rsplit(":", 1)[-1] == name]
-        return sum(vals) if vals else None
-    queries, hits = total("prefix_cache_queries_total"), total("prefix_cache_hits_total")
-    if not queries or hits is None:
-        return None
-    return hits / queries
 
 
 def format_summary(summary: dict[str, Any], title: str = "inflight bench serve") -> str:
@@ -62,6 +50,7 @@ def format_summary(summary: dict[str, Any], title: str = "inflight bench serve")
     hit_rate = prefix_hit_rate(summary.get("server_counters") or {})
     if hit_rate is not None:
         rows.append(("Prefix cache hit rate (%)", _fmt(100 * hit_rate)))
+    rows += _user_rows(summary.get("users"))
     if summary.get("prompt_len_mismatches"):
         rows.append(("Prompt length mismatches", _fmt(summary["prompt_len_mismatches"])))
     width = max(len(k) for k, _ in rows) + 2
@@ -76,6 +65,19 @@ def format_summary(summary: dict[str, Any], title: str = "inflight bench serve")
         lines.append(f"error x{n}: {err}")
     lines.append("=" * (len(title) + 34))
     return "\n".join(lines)
+
+
+def _user_rows(users: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """A closed-loop point's rows (``users.session_figures``)."""
+    if not users:
+        return []
+    speed, conv = users["output_speed_per_user"], users["session_seconds"]
+    rows = [("Users", _fmt(users["users"])),
+            ("Per-user output tok/s p5 / p50", f"{_fmt(speed['p5'], digits=1)} / {_fmt(speed['p50'], digits=1)}"),
+            (f"Conversation time p50 / p95 (s, {conv['n']})", f"{_fmt(conv['p50'])} / {_fmt(conv['p95'])}")]
+    rows += [(f"TTFT p50 / p95, turn {int(t) + 1} (ms)", f"{_fmt(v['p50'], scale=1000, digits=0)} / "
+              f"{_fmt(v['p95'], scale=1000, digits=0)}") for t, v in users["ttft_by_turn"].items()]
+    return rows
 
 
 def _json_default(o: object) -> Any:

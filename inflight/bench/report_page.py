@@ -17,6 +17,7 @@ from inflight.bench.limit_doc import (KnobGroups, best_point, held_seconds, json
                                       recommended, shed_note)
 from inflight.bench.limit_plots import plot_at_limit, plot_capacity_bars, plot_latency_vs_load, plot_lengths
 from inflight.bench.machine import cpu_shares
+from inflight.bench.tiers import tier_lines
 
 Json = dict[str, Any]
 
@@ -133,9 +134,8 @@ def _no_limit_lines(res: Json | None, by_scale: bool, hold_s: float | None) -> l
             + f". {advice}", ""]
 
 
-def _bracket_lines(res: Json, by_scale: bool) -> list[str]:
+def _bracket_lines(res: Json, by_scale: bool, unit: str) -> list[str]:
     """The limit as a bracket, where each target is crossed, and the prediction beside it."""
-    unit = "time scale" if by_scale else "req/s"
     out = []
     above = [a for a in res.get("failed_above", []) if a is not None]
     lows = [x for x in res.get("limits", []) if x is not None]
@@ -208,7 +208,12 @@ class _Report:
 
     @property
     def unit(self) -> str:
-        return "1 / time scale" if self.by_scale else "req/s"
+        return "1 / time scale" if self.by_scale else self.load_unit
+
+    @property
+    def load_unit(self) -> str:
+        """The search's load as a limit is stated: req/s, time scale or users."""
+        return "users" if self.doc.get("search") == "users" else "time scale" if self.by_scale else "req/s"
 
 
 def write_report(out_dir: str | pathlib.Path, doc: Json) -> pathlib.Path:
@@ -216,7 +221,8 @@ def write_report(out_dir: str | pathlib.Path, doc: Json) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     r = _Report.of(doc)
-    lines = [*_title_lines(r), "## Result", "", *_result_lines(r), *_measured_lines(r), *_tune_lines(doc),
+    tiers = ["## Users per SLO tier", "", tier_lines(doc["tiers"]), ""] if doc.get("tiers") else []
+    lines = [*_title_lines(r), "## Result", "", *_result_lines(r), *_measured_lines(r), *tiers, *_tune_lines(doc),
              *_capacity_table(r),
              "", "## Workload", "", *_workload_lines(doc, r.fixed), "", "![length distributions](lengths.png)", "",
              *_pass_rule_lines(r),
@@ -251,13 +257,13 @@ def _result_lines(r: _Report) -> list[str]:
                                r.doc.get("hold_duration"))
     sp = best["spread"]
     above = [a for a in best["failed_above"] if a is not None]
-    lim = "time scale" if by_scale else "req/s"
+    lim = r.load_unit
     how = (f"held for {held_seconds(best):.0f} s" if best.get("held") else "searched, not held")
     lines = [f"**Operating limit: {sp['mean']:.4g} {lim}**, {how} (over {sp['found']}/{sp['repeats']} searches: "
              f"min {sp['min']:.4g}, max {sp['max']:.4g}"
              + (f"; the next load up failed at {(max(above) if by_scale else min(above)):.4g}" if above else
                 "; not bounded: the highest load tried passed") + ").", ""]
-    lines += _bracket_lines(best, by_scale)
+    lines += _bracket_lines(best, by_scale, lim)
     if best.get("command"):
         lines += ["Configuration:", "", "```", best["command"], "```", ""]
     return lines

@@ -13,6 +13,7 @@ from inflight.bench.session import ArrivalConfig, LoadConfig
 from inflight.bench.simulation import SearchPlan, SimulateOptions
 from inflight.bench.summary import SLO
 from inflight.bench.sustain import Thresholds
+from inflight.bench.tiers import SloTier
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class BenchConfig:
     knobs: tuple[tuple[str, tuple[str, ...]], ...] = ()
     fresh: bool = False
     recorded: dict[str, Any] = field(default_factory=dict)
+    tiers: tuple[SloTier, ...] = ()  # capacity --users --slo-tiers: one limit per tier
 
     def plan(self) -> SearchPlan:
         """The limit search's plan (capacity, tune)."""

@@ -31,6 +31,11 @@ class Slot:
     spec: RequestSpec
     offset: float  # s after the point's start
     phase: str  # warmup | sample | cooldown
+    # Closed loop: who sent it (``RequestRecord``'s fields of the same names).
+    user: int | None = None
+    conversation: int | None = None
+    turn: int | None = None
+    turns: int | None = None
 
 
 async def plan_point(session: Session, arrival: ArrivalConfig) -> tuple[list[Slot], Window | None]:
@@ -76,6 +81,17 @@ async def plan_point(session: Session, arrival: ArrivalConfig) -> tuple[list[Slo
                              f"requests at this time scale")
         n *= 2
     return _slots(session, offs, Window(warm, ends[0], ends[0] + drain, tuple(ends[1:])))
+
+
+def plan_users(arrival: ArrivalConfig) -> Window:
+    """A closed-loop point's window as planned: warm-up (the ramp in it), ``duration``,
+    and ``max_extensions`` extensions as long; the users resolve it as they run
+    (``users.first_look_end``). ValueError without ``duration``."""
+    if arrival.duration is None:
+        raise ValueError("users (--users) are measured over a window: they need --duration")
+    warm, drain = arrival.phases()
+    ends = [warm + k * arrival.duration for k in range(1, arrival.max_extensions + 2)]
+    return Window(warm, ends[0], ends[0] + drain, tuple(ends[1:]))
 
 
 def _slots(session: Session, offsets: list[float], window: Window) -> tuple[list[Slot], Window]:

@@ -14,15 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import aiohttp
+import numpy as np
 
 from inflight.bench.client import RequestRecord, auth_headers
 from inflight.bench.datasets import DatasetConfig, RequestSpec, build_dataset, summarize_specs, trace_length
-from inflight.bench.looks import look_summary
+from inflight.bench.looks import goes_on, look_summary
 from inflight.bench.lora_modules import adapter_counts
 from inflight.bench.metrics_scrape import Snapshot, counter_deltas
 from inflight.bench.prompts import TokenCounter
+from inflight.bench.queue_trend import in_flight_at
 from inflight.bench.summary import SLO
 from inflight.bench.sustain import Thresholds, Verdict, Window, judge
+from inflight.bench.user_figures import session_figures
 
 
 @dataclass(frozen=True)
@@ -62,20 +65,41 @@ class ArrivalConfig:
     min_requests: int = 0  # the window stretches until at least this many requests arrived in it
     max_extensions: int = 0  # an undecided point's window grows by its span up to this many times
     extend_on_pass: bool = False  # a passing look goes on too: only a failure ends it early (a hold)
+    # Closed loop (``bench.users``): this many concurrent sessions instead of an arrival
+    # process (``rate`` and ``process`` unused); each turn is sent ``think_time`` s (mean,
+    # ``think_distribution``: constant | exponential) after the previous answer ended; the
+    # users start evenly over ``ramp_duration`` s (None: half the warm-up).
+    users: int | None = None
+    think_time: float = 0.0
+    think_distribution: str = "constant"
+    ramp_duration: float | None = None
 
     def describe(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["rate"] = "inf" if math.isinf(self.rate) else self.rate
+        if self.users is None:
+            for k in ("users", "think_time", "think_distribution", "ramp_duration"):
+                d.pop(k)
         if self.duration is not None:
             d["warmup_duration"], d["drain_timeout"] = self.phases()
         return d
 
     def phases(self) -> tuple[float, float]:
-        """(warm-up seconds, drain timeout seconds) of a windowed point."""
+        """(warm-up seconds, drain timeout seconds) of a windowed point. With users, the
+        warm-up lasts at least the ramp and half a warm-up after it."""
         assert self.duration is not None
         warm = self.duration / 6 if self.warmup_duration is None else self.warmup_duration
         drain = self.duration / 2 if self.drain_timeout is None else self.drain_timeout
+        if self.users is not None:
+            warm = max(warm, self.ramp() + warm / 2)
         return warm, drain
+
+    def ramp(self) -> float:
+        """Seconds over which the users start: ``ramp_duration``, else half the warm-up."""
+        if self.ramp_duration is not None:
+            return self.ramp_duration
+        warm = (self.duration or 0.0) / 6 if self.warmup_duration is None else self.warmup_duration
+        return warm / 2
 
 
 class PointTarget(Protocol):
@@ -199,12 +223,38 @@ class PointResult:
         verdict.evidence["looks"] = [*self.looks, look_summary(verdict, self.window)]
         return verdict
 
+    def rejudged(self, slo: SLO, thresholds: Thresholds) -> Verdict | None:
+        """This point's verdict under another ``slo`` (``--slo-tiers``) where its looks
+        suffice: it ran every look, or its last look decides ``slo``, so a point run for
+        ``slo`` would have stopped there too; else None (measure it again)."""
+        if len(self.looks) < self.arrival.max_extensions:
+            assert self.window is not None
+            view = judge(self.records, self.window, slo, self.preemptions, thresholds, self.metrics_samples,
+                         final=False)
+            if goes_on(view, self.arrival):
+                return None
+        return self.verdict(slo, thresholds)
+
+    def timeline(self, samples: int = 400) -> dict[str, Any]:
+        """The in-flight count (client side, at ``samples`` times) and scraped gauges."""
+        end = max((r.end_time for r in self.records), default=0.0)
+        step = max(end / samples, 0.01)
+        ts = np.arange(0.0, end + step, step)
+        q = in_flight_at(self.records, ts) if self.records else np.zeros_like(ts)
+        w = self.window
+        return {"t": [round(float(t), 3) for t in ts], "in_flight": [int(v) for v in q],
+                "server": self.metrics_samples,
+                "output_tokens": [r.output_tokens for r in self.records if r.phase == "sample" and r.success],
+                "window": None if w is None else {"start": w.start, "end": w.end, "deadline": w.deadline}}
+
     def finish_summary(self) -> None:
         """Add what the server's metrics say to the summary: preemptions, and the growth of
         every server counter (prefix-cache hits, tokens, ...): the cache state a point ran
         under, recorded next to its latencies."""
         self.summary["preemptions"] = self.preemptions
         self.summary["server_counters"] = self.counters
+        if any(r.user is not None for r in self.records):
+            self.summary["users"] = session_figures(self.records, self.counters)
 
 
 async def run_point(session: Session, arrival: ArrivalConfig, slo: SLO | None = None,

@@ -98,7 +98,8 @@ class SLO:
 _DURATION = re.compile(r"^\s*([0-9.eE+-]+)\s*(ms|s)?\s*$")
 
 
-def _seconds(text: str) -> float:
+def parse_duration(text: str) -> float:
+    """Seconds from ``"0.2"``, ``"0.2s"`` or ``"200ms"``; ValueError otherwise."""
     m = _DURATION.match(text)
     if not m:
         raise ValueError(f"bad duration {text!r} (use seconds, or a suffix: 200ms, 0.2s)")
@@ -125,7 +126,7 @@ def parse_slo(text: str | None) -> SLO:
         metric = _ALIASES.get(metric, metric)
         if metric not in METRICS:
             raise ValueError(f"unknown SLO metric {metric!r} (ttft, tpot, itl, e2e)")
-        target = _seconds(val)
+        target = parse_duration(val)
         if not target > 0:
             raise ValueError(f"bad SLO item {part!r}: the target must be > 0 s")
         if not stat:

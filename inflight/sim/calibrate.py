@@ -29,6 +29,7 @@ from inflight.bench.machine import HostMonitor, describe_machine
 from inflight.bench.ramp import run_ramp
 from inflight.bench.session import Session
 from inflight.bench.simulation import SearchPlan
+from inflight.bench.summary import SLO
 from inflight.sim.acceptance import acceptance_of
 from inflight.sim.bench import ServeParser, open_sim_session, parse_serve_command, sim_setup
 from inflight.sim.fitted_cost import fit_cost_model, summary_line
@@ -70,7 +71,7 @@ class CalibratedPredictor:
                  pids: Sequence[int] = (), ramp_start: float | None = None,
                  profile_out: str | pathlib.Path = "profile-calibrated.json") -> None:
         self.step_log, self.command, self.pids, self.parse_serve = step_log, command, pids, parse_serve
-        self.load, self.dataset, self.base, self.slo = plan.load, plan.dataset, plan.base, plan.slo
+        self.load, self.dataset, self.base = plan.load, plan.dataset, plan.base
         # Simulated holds cost seconds: step down until one holds (a real search's few
         # holds can all fail near a metastable limit, which would leave no prediction).
         space = plan.space
@@ -78,25 +79,31 @@ class CalibratedPredictor:
         self.thresholds = plan.thresholds
         self.ramp_start, self.profile_out = ramp_start, profile_out
         self.outputs: list[tuple[RequestSpec, int]] = []
+        self.ramped = False
         self.host: dict[str, Any] | None = None
 
-    async def predict(self, session: Session) -> Prediction:
-        """Ramp the server to saturation (``bench.ramp``), fit its steps, simulate."""
+    async def predict(self, session: Session, slo: SLO) -> Prediction:
+        """Ramp the server to saturation (``bench.ramp``), fit its steps, simulate the
+        search for ``slo``. Another search's prediction (the next ``--slo-tiers`` tier) does
+        not ramp again: it simulates with every step logged so far."""
         t0 = time.perf_counter()
+        if self.ramped:
+            return await self._simulate(t0, slo, {"ramp": "the first prediction's"})
+        self.ramped = True
         monitor = HostMonitor(self.pids).start()
         start = self.ramp_start or _ramp_rate(session, self.space)
         ramp = await run_ramp(session, start, seed=self.base.seed)
         load = monitor.stop()
         self.host = load.to_json() if load else None
         self.outputs = list(ramp.outputs)
-        return await self._simulate(t0, {"ramp": ramp.to_json()})
+        return await self._simulate(t0, slo, {"ramp": ramp.to_json()})
 
-    async def refine(self, session: Session) -> Prediction:
+    async def refine(self, session: Session, slo: SLO) -> Prediction:
         """Fit again with every step logged so far (the search's first point ran near the
         limit: steady steps of the shapes that decide it), simulate again."""
-        return await self._simulate(time.perf_counter(), {})
+        return await self._simulate(time.perf_counter(), slo, {})
 
-    async def _simulate(self, t0: float, details: dict[str, Any]) -> Prediction:
+    async def _simulate(self, t0: float, slo: SLO, details: dict[str, Any]) -> Prediction:
         profile, errors = fit_step_log(self.step_log, self.host)
         save_profile(self.profile_out, profile)
         warnings = profile_warnings(profile)
@@ -111,7 +118,7 @@ class CalibratedPredictor:
             setup = sim_setup(str(self.profile_out), self.command, self.parse_serve)
             setup.calibrate_outputs(self.outputs)
             sim_session = await open_sim_session(self.load, self.dataset, setup)
-            res = await find_limit(_connect(sim_session), self.base, self.slo, self.space, self.thresholds,
+            res = await find_limit(_connect(sim_session), self.base, slo, self.space, self.thresholds,
                                    log=quiet)
         found, first_fail = res.limits[0], res.failed_above[0]
         limit = None if found is None else _load(self.space, found)

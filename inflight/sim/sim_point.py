@@ -13,11 +13,14 @@ from inflight.bench.client import RequestRecord
 from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.looks import goes_on, look_summary, mark_cancelled, view_at
 from inflight.bench.metrics_scrape import Snapshot
-from inflight.bench.schedule import Slot, plan_point
+from inflight.bench.datasets import RequestSpec
+from inflight.bench.schedule import Slot, plan_point, plan_users
 from inflight.bench.session import ArrivalConfig, PointResult, Session
 from inflight.bench.summary import SLO, summarize
 from inflight.bench.sustain import Thresholds, Window, judge
-from inflight.sim.simulator import SimOutcome, SimRequest
+from inflight.bench.users import ConversationSupply, MixExhausted
+from inflight.sim.closed_loop import ClosedLoop
+from inflight.sim.simulator import SimOutcome, SimRequest, SimRun
 
 if TYPE_CHECKING:
     from inflight.sim.bench import SimSetup
@@ -28,17 +31,9 @@ async def simulate_point(setup: SimSetup, session: Session, arrival: ArrivalConf
     """``run_point`` on the simulator: the point's schedule, simulated; the same result.
     Every look a real point could take is simulated, then judged as it stood at each look
     (``looks.view_at``), so an undecided point is extended as a real one would be."""
-    slots, window = await plan_point(session, arrival)
-    longest = window.looks()[-1] if window is not None else None
-    # A multi-turn mix: follow-ups carry their history, stand-in answers for the real ones.
-    sent = with_stand_in_answers([s.spec for s in slots])
-    reqs = [SimRequest(i, s.offset, setup.prompt_ids(s.spec, session.endpoint, x), s.spec.output_len,
-                       setup.output_len(s.spec), s.spec.ignore_eos,
-                       watched=window is not None and s.phase == "sample",
-                       not_after_done=s.phase == "cooldown")
-            for i, (s, x) in enumerate(zip(slots, sent))]
     t0 = time.perf_counter()
-    run = setup.simulator(session.load, arrival.seed).run(reqs, until=None if longest is None else longest.deadline)
+    simulate = _simulate_users if arrival.users else _simulate_schedule
+    run, slots, window = await simulate(setup, session, arrival)
     wall = time.perf_counter() - t0
     records = [_record(slot, o, run.end_time) for slot, o in zip(slots, run.outcomes)
                if o.sent or slot.phase != "cooldown"]  # a cool-down request never sent: the sample had ended
@@ -61,9 +56,57 @@ async def simulate_point(setup: SimSetup, session: Session, arrival: ArrivalConf
     return result
 
 
+async def _simulate_schedule(setup: SimSetup, session: Session, arrival: ArrivalConfig,
+                             ) -> tuple[SimRun, list[Slot], Window | None]:
+    """An open-loop point: its schedule, simulated."""
+    slots, window = await plan_point(session, arrival)
+    longest = window.looks()[-1] if window is not None else None
+    # A multi-turn mix: follow-ups carry their history, stand-in answers for the real ones.
+    sent = with_stand_in_answers([s.spec for s in slots])
+    reqs = [SimRequest(i, s.offset, setup.prompt_ids(s.spec, session.endpoint, x), s.spec.output_len,
+                       setup.output_len(s.spec), s.spec.ignore_eos,
+                       watched=window is not None and s.phase == "sample",
+                       not_after_done=s.phase == "cooldown")
+            for i, (s, x) in enumerate(zip(slots, sent))]
+    run = setup.simulator(session.load, arrival.seed).run(reqs, until=None if longest is None else longest.deadline)
+    return run, slots, window
+
+
+async def _simulate_users(setup: SimSetup, session: Session, arrival: ArrivalConfig,
+                          ) -> tuple[SimRun, list[Slot], Window | None]:
+    """A closed-loop point (``closed_loop.ClosedLoop``), run again on a longer mix while the
+    users run out of conversations; its slots are the requests as sent, phased by the
+    resolved window, with who sent them."""
+    supply = ConversationSupply(session)
+    await supply.reserve(2 * (arrival.users or 1))
+
+    def make(index: int, spec: RequestSpec, sent: RequestSpec, at: float) -> SimRequest:
+        return SimRequest(index, at, setup.prompt_ids(spec, session.endpoint, sent), spec.output_len,
+                          setup.output_len(spec), spec.ignore_eos)
+    while True:
+        supply.taken = 0
+        loop = ClosedLoop(arrival, supply, plan_users(arrival), arrival.min_requests, make)
+        try:
+            run = setup.simulator(session.load, arrival.seed).run(loop.start(), users=loop)
+            break
+        except MixExhausted:
+            have = len(supply.complete())
+            await supply.reserve(2 * have)
+            if len(supply.complete()) == have:
+                raise RuntimeError(f"the mix ran out of conversations after {have}") from None
+    window = loop.resolved_window()
+    longest = window.looks()[-1]
+    sent = [(s, o) for s, o in zip(loop.requests, run.outcomes) if o.sent]  # a user thinking at the end sent none
+    run.outcomes = [o for _, o in sent]
+    slots = [Slot(s.spec, o.send_time, longest.phase(o.send_time), s.user, s.conversation.key, s.turn,
+                  len(s.conversation.turns)) for s, o in sent]
+    return run, slots, window
+
+
 def _record(slot: Slot, o: SimOutcome, end: float) -> RequestRecord:
     """The request record of a simulated request (``end``: when the run stopped, s)."""
-    r = RequestRecord(o.index, slot.offset, warmup=slot.phase != "sample", phase=slot.phase)
+    r = RequestRecord(o.index, slot.offset, warmup=slot.phase != "sample", phase=slot.phase, user=slot.user,
+                      conversation=slot.conversation, turn=slot.turn, turns=slot.turns)
     r.prompt_len, r.output_len = slot.spec.prompt_len, slot.spec.output_len
     r.send_time = o.send_time
     if o.end_time is None:

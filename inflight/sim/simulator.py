@@ -26,7 +26,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -103,6 +103,9 @@ class _RunState:
     in_flight: int = 0
     blocked: list[SimRequest] = field(default_factory=list)  # waiting for a --max-concurrency slot
     samples: list[dict[str, Any]] = field(default_factory=list)
+    users: Users | None = None  # closed loop: who sends next, and when the run is done
+    now: float = 0.0
+    last_end: float = 0.0  # when the latest request ended at its client
 
     @classmethod
     def of(cls, requests: Sequence[SimRequest]) -> _RunState:
@@ -110,8 +113,21 @@ class _RunState:
         return cls({r.index: SimOutcome(r.index) for r in requests}, watched, bool(watched), len(requests))
 
     def done(self) -> bool:
-        """Every watched request has ended (when any are watched), else every request."""
+        """Every watched request has ended (when any are watched), else every request;
+        closed loop: as the users say."""
+        if self.users is not None:
+            return self.users.done(self.now)
         return not self.watched if self.has_watched else self.unsent == 0 and self.in_flight == 0
+
+
+class Users(Protocol):
+    """A closed loop's users (``sim.closed_loop.ClosedLoop``): they send a request's
+    successor once it ends, and say when the run is done."""
+
+    def start(self) -> list[SimRequest]: ...
+    def on_send(self, index: int, t: float) -> None: ...
+    def after(self, index: int, t: float) -> SimRequest | None: ...
+    def done(self, t: float) -> bool: ...
 
 
 class Simulator:
@@ -163,15 +179,20 @@ class Simulator:
     def _push(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self._events, (t, self._ORDER[kind], next(self._seq), kind, payload))
 
-    def run(self, requests: Sequence[SimRequest], until: float | None = None) -> SimRun:
+    def run(self, requests: Sequence[SimRequest], until: float | None = None, users: Users | None = None) -> SimRun:
         """Simulate ``requests`` (arrival times ascending not required). Stops when every
-        request has ended, or when every ``watched`` one has (if any are), or at ``until``."""
+        request has ended, or when every ``watched`` one has (if any are), or at ``until``.
+        ``users``: a closed loop instead: ``requests`` are theirs (``users.start()``) and
+        each ending request may send its user's next; the outcomes are in index order."""
         state = _RunState.of(requests)
+        state.users = users
         for r in requests:
             self._push(r.arrival, "arrive", r)
         self._push(0.0, "sample", None)
         end = self._play(state, until)
-        return SimRun([state.outcomes[r.index] for r in requests], end, state.samples, self._counters(),
+        outcomes = ([state.outcomes[i] for i in sorted(state.outcomes)] if users is not None
+                    else [state.outcomes[r.index] for r in requests])
+        return SimRun(outcomes, end, state.samples, self._counters(),
                       [self._replica_stats(r) for r in self.replicas], self._router_stats())
 
     def _play(self, state: _RunState, until: float | None) -> float:
@@ -185,11 +206,12 @@ class Simulator:
             t, _, _, kind, payload = heapq.heappop(self._events)
             if until is not None and t > until:
                 return until
-            now = t
+            now = state.now = t
             # Only an event that ran through can end the run: after one dropped, held back or
             # refused, the run goes on to the next event (its end time is that event's).
             if handlers[kind](state, t, payload) and state.done():
-                break
+                # A step's last tokens reach their clients after it ends: the run ends then.
+                return max(now, state.last_end)
         return now
 
     def _arrive(self, state: _RunState, t: float, req: SimRequest) -> bool:
@@ -206,6 +228,8 @@ class Simulator:
         state.in_flight += 1
         o = state.outcomes[req.index]
         o.sent, o.send_time = True, t
+        if state.users is not None:
+            state.users.on_send(req.index, t)
         o.prompt_tokens = len(req.prompt_token_ids)
         i = self.router.route(req.prompt_token_ids, [r.load for r in self.replicas])
         rep = self.replicas[i]
@@ -292,8 +316,14 @@ class Simulator:
     def _finish(self, state: _RunState, o: SimOutcome, t: float) -> None:
         """``o``'s request ended at ``t`` (its client has it all); a held-back one may go."""
         o.end_time = t
+        state.last_end = max(state.last_end, t)
         state.in_flight -= 1
         state.watched.discard(o.index)
+        nxt = state.users.after(o.index, t) if state.users is not None else None
+        if nxt is not None:
+            state.outcomes[nxt.index] = SimOutcome(nxt.index)
+            state.unsent += 1
+            self._push(nxt.arrival, "arrive", nxt)
         if state.blocked:
             self._push(t, "arrive", state.blocked.pop(0))
 

@@ -12,7 +12,8 @@ from inflight.bench.client import make_client
 from inflight.bench.conversations import with_stand_in_answers
 from inflight.bench.datasets import DatasetConfig, build_dataset, conversation_slot
 from inflight.bench.prompts import WordCounter
-from inflight.bench.report import format_summary, prefix_hit_rate
+from inflight.bench.metrics_scrape import prefix_hit_rate
+from inflight.bench.report import format_summary
 from inflight.bench.http_target import open_session
 from inflight.bench.session import ArrivalConfig, LoadConfig, run_point
 from inflight.bench.vllm_result import vllm_result
