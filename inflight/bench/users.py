@@ -96,17 +96,25 @@ class ConversationSupply:
         ds = session.dataset
         self._turns = ds.conversation_turns if ds.name == "chat" else 1
         self._group = self._turns * ds.active_conversations if self._turns > 1 else 1
+        self._grouped: tuple[int, list[Conversation]] = (-1, [])  # (mix length, its conversations)
 
     def complete(self) -> list[Conversation]:
-        """Every conversation the mix holds entirely, in order."""
+        """Every conversation the mix holds entirely, in order (grouped again only when
+        the mix has grown: a user takes one at every conversation it starts)."""
         specs = self.session.specs
+        if self._grouped[0] == len(specs):
+            return self._grouped[1]
         if self._turns == 1:
-            return [Conversation(i, (s,)) for i, s in enumerate(specs)]
-        whole = len(specs) // self._group * self._group
-        by_key: dict[int, list[RequestSpec]] = defaultdict(list)
-        for s in specs[:whole]:
-            by_key[s.meta["conversation"]].append(s)
-        return [Conversation(k, tuple(sorted(v, key=lambda s: s.meta["turn"]))) for k, v in sorted(by_key.items())]
+            convs = [Conversation(i, (s,)) for i, s in enumerate(specs)]
+        else:
+            whole = len(specs) // self._group * self._group
+            by_key: dict[int, list[RequestSpec]] = defaultdict(list)
+            for s in specs[:whole]:
+                by_key[s.meta["conversation"]].append(s)
+            convs = [Conversation(k, tuple(sorted(v, key=lambda s: s.meta["turn"])))
+                     for k, v in sorted(by_key.items())]
+        self._grouped = (len(specs), convs)
+        return convs
 
     def take_now(self) -> Conversation:
         """The next conversation. MixExhausted when the mix has none left (extend it)."""

@@ -50,7 +50,7 @@ class ClosedLoop:
         self.looks: list[Window] | None = None
         self.requests: list[Sent] = []
         self._sample_sends: list[float] = []
-        self._sent_by: dict[int, list[RequestSpec]] = {}  # conversation key -> its turns as sent
+        self._sent_by: dict[int, list[RequestSpec]] = {}  # user -> its conversation's turns as sent
         self._count = [0] * arrival.users  # requests each user has sent
         self._open: set[int] = set()  # once resolved: the last look's sample requests not yet ended
 
@@ -60,10 +60,10 @@ class ClosedLoop:
                 for u in range(self.arrival.users or 0)]
 
     def _request(self, user: int, conv: Conversation, turn: int, at: float) -> SimRequest:
-        if conv.key not in self._sent_by or turn == 0:
-            self._sent_by[conv.key] = with_stand_in_answers(list(conv.turns))
+        if turn == 0:  # a user holds one conversation at a time: its turns as sent, made once
+            self._sent_by[user] = with_stand_in_answers(list(conv.turns))
         self.requests.append(Sent(user, conv, turn, conv.turns[turn]))
-        return self.make(len(self.requests) - 1, conv.turns[turn], self._sent_by[conv.key][turn], at)
+        return self.make(len(self.requests) - 1, conv.turns[turn], self._sent_by[user][turn], at)
 
     def on_send(self, index: int, t: float) -> None:
         self.requests[index].send_time = t
