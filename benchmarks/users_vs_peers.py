@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="s per search window")
     p.add_argument("--hold", type=float, default=300.0, help="s: each tier's hold, and the check above it")
     p.add_argument("--check-above", type=float, default=1.2, help="the check's users, x the users held")
+    p.add_argument("--only", help="comma-separated labels to run (inflight, llama-server, vllm-cpu); default all given")
     p.add_argument("--port", type=int, default=8476)
     p.add_argument("--out", default=str(REPO / "docs" / "results" / "users_vs_peers"))
     p.add_argument("--command-timeout", type=float, default=5400.0)
@@ -109,6 +110,8 @@ def main(argv=None) -> int:
                         f"--parallel {args.parallel} {args.llama_args}".rstrip(), False))
     if args.vllm_cmd:
         servers.append(("vllm-cpu", f"{args.vllm_cmd} --host 127.0.0.1 --port {args.port}", False))
+    if args.only:
+        servers = [s for s in servers if s[0] in args.only.split(",")]
     rows = []
     for label, serve, calibrate in servers:
         rows += measure(args, d, label, serve, calibrate)

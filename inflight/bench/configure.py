@@ -130,6 +130,7 @@ def _dataset(args: argparse.Namespace, r: Resolved, lora: LoraModules) -> Datase
                             min_output_len=args.min_output_len, max_output_len=args.max_output_len,
                             prefix_blocks=args.prefix_blocks, chat_file=r.chat_file, sonnet_file=r.sonnet_file,
                             ignore_eos=args.ignore_eos, shuffle=shuffle, lora_modules=lora.names,
+                            sessions=r.dataset == "trace" and getattr(args, "users", None) is not None,
                             conversation_turns=args.conversation_turns,
                             active_conversations=args.active_conversations or DatasetConfig.active_conversations)
     if args.conversation_turns > 1 and r.dataset != "chat":

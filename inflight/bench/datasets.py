@@ -14,7 +14,9 @@ Datasets (all reproducible from ``seed``):
   lengths from the trace (times ``length_scale``, clipped to the caps), arrival times kept
   for ``--arrival trace``; with ``shuffle`` (the default under a rate) rows in a seeded
   random order. Mooncake's ``hash_ids`` become shared text blocks, so requests
-  that share prefix blocks in the trace share prompt prefixes here.
+  that share prefix blocks in the trace share prompt prefixes here. With ``sessions``
+  (users), rows come as the conversations their blocks chain into, each turn's prompt
+  holding its history (the earlier turns' blocks) as the trace recorded it.
 - ``chat``: the first turn of the MT-Bench or Vicuna-Bench questions, or the ``prompt`` of
   each line of a JSONL file (vLLM's ``custom`` dataset). With ``conversation_turns`` > 1, a
   multi-turn chat replay: each conversation is a question's turns (MT-Bench has two; later
@@ -38,12 +40,11 @@ import numpy as np
 
 from inflight.bench.lora_modules import assign_adapters
 from inflight.bench.prompts import FittedPrompt, TokenCounter, fit_prompt
-from inflight.bench.trace_files import TraceRow, load_trace, scale_length
+from inflight.bench.trace_files import BLOCK_TOKENS, TraceRow, load_trace, scale_length, trace_sessions
 
 SONNET_FILE = "vllm_sonnet.txt"
 AZURE_CONV_FILE = "azure_llm_2023_conv_1815-1900.csv"
 CHAT_FILES = {"mt_bench": "mt_bench_questions.jsonl", "vicuna": "vicuna_bench_questions.jsonl"}
-MOONCAKE_BLOCK_TOKENS = 512  # the trace's hash block size (Mooncake FAST'25 README)
 
 
 def default_data_dir() -> pathlib.Path:
@@ -105,6 +106,7 @@ class DatasetConfig:
     sonnet_file: str | None = None  # sonnet: the text file (default vllm_sonnet.txt in the data dir)
     ignore_eos: bool | None = None  # None: True except for chat
     shuffle: bool = False  # trace: rows in a seeded random order (a rate replays lengths, not times)
+    sessions: bool = False  # trace: rows in conversation order, by hash_ids chains (``--users``)
     lora_modules: tuple[str, ...] = ()  # adapters the requests pick from, seeded (lora_modules.assign_adapters)
 
     def resolved_data_dir(self) -> pathlib.Path:
@@ -237,44 +239,60 @@ def trace_rows(cfg: DatasetConfig, start: int, n: int) -> list[tuple[int, TraceR
     """Rows ``start .. start + n - 1`` of the mix as (row number, row): the trace's own order
     from ``trace_skip`` on, or, with ``shuffle``, a seeded permutation of those rows, so
     the lengths of any stretch of the mix are a sample of the whole trace's (consecutive
-    rows of a real trace come in runs of similar requests)."""
+    rows of a real trace come in runs of similar requests). With ``sessions``, whole
+    conversations (``trace_files.trace_sessions``) one after the other, each in turn order;
+    ``shuffle`` then permutes conversations, not rows."""
+    return [(number, row) for number, row, _ in _ordered_rows(cfg)[start: start + n]]
+
+
+def _ordered_rows(cfg: DatasetConfig) -> list[tuple[int, TraceRow, dict[str, int]]]:
+    """The mix's rows in order: (row number, row, its conversation's meta or {})."""
     rows = load_trace(cfg.trace_path(), cfg.trace_format)[cfg.trace_skip:]
-    idx = np.arange(len(rows))
-    if cfg.shuffle:
-        idx = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
-    return [(cfg.trace_skip + int(i), rows[int(i)]) for i in idx[start: start + n]]
+    rng = np.random.default_rng([cfg.seed, 7])
+    if not cfg.sessions:
+        idx = rng.permutation(len(rows)) if cfg.shuffle else np.arange(len(rows))
+        return [(cfg.trace_skip + int(i), rows[int(i)], {}) for i in idx]
+    sessions = trace_sessions(rows)
+    order = rng.permutation(len(sessions)) if cfg.shuffle else range(len(sessions))
+    return [(cfg.trace_skip + i, rows[i], {"trace_session": int(k), "trace_turn": t,
+                                            "trace_turns": len(sessions[k])})
+            for k in order for t, i in enumerate(sessions[k])]
 
 
 async def build_trace(cfg: DatasetConfig, counter: TokenCounter, n: int, start: int = 0) -> list[RequestSpec]:
-    numbered = trace_rows(cfg, start, n)
+    numbered = _ordered_rows(cfg)[start: start + n]
     lines = _sonnet_lines(cfg.resolved_data_dir())
-    block_tokens = max(1, int(round(MOONCAKE_BLOCK_TOKENS * cfg.length_scale)))
+    block_tokens = max(1, int(round(BLOCK_TOKENS * cfg.length_scale)))
     blocks = _BlockTexts(lines, cfg.seed, block_tokens, await _tokens_per_word(counter, lines))
     jobs = []
-    for number, row in numbered:
+    for number, row, _ in numbered:
         in_len = scale_length(row.input_len, cfg.length_scale, cfg.min_input_len, cfg.max_input_len)
         rng = np.random.default_rng([cfg.seed, number])
         if row.hash_ids and cfg.prefix_blocks:
-            jobs.append(_block_prompt(counter, blocks, row.hash_ids, in_len, block_tokens))
+            jobs.append(_block_prompt(counter, blocks, row.hash_ids, in_len, block_tokens,
+                                      row.input_len // BLOCK_TOKENS))
         else:
             jobs.append(fit_prompt(counter, _random_line_words(lines, rng, in_len + 16), in_len))
     fitted = await asyncio.gather(*jobs)
     specs = []
-    for (number, row), f in zip(numbered, fitted):
+    for (number, row, session), f in zip(numbered, fitted):
         out_len = scale_length(row.output_len, cfg.length_scale, cfg.min_output_len, cfg.max_output_len)
         meta = {"trace_input_len": row.input_len, "trace_output_len": row.output_len}
         if cfg.shuffle:
             meta["trace_row"] = number
         if row.hash_ids is not None:
             meta["num_hash_blocks"] = len(row.hash_ids)
+        meta.update(session)
         specs.append(RequestSpec(f.text, None, f.num_tokens, out_len, cfg.effective_ignore_eos(),
                                  trace_time=row.time, exact=f.exact, meta=meta))
     return specs
 
 
 async def _block_prompt(counter: TokenCounter, blocks: _BlockTexts, hash_ids: list[int],
-                        in_len: int, block_tokens: int) -> FittedPrompt:
-    full = min(len(hash_ids), in_len // block_tokens)
+                        in_len: int, block_tokens: int, complete: int) -> FittedPrompt:
+    # Only the trace's complete blocks are shared text: the last, partial one is this
+    # prompt's own (scaled lengths round, so ``in_len // block_tokens`` alone can count it).
+    full = min(complete, len(hash_ids), in_len // block_tokens)
     while True:
         prefix = "\n".join(" ".join(blocks.words(h)) for h in hash_ids[:full])
         # A block boundary is a newline: requests sharing the first j ids share j blocks of text.

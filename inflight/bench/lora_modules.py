@@ -107,12 +107,18 @@ def with_server_flags(modules: LoraModules, command: str) -> str:
 def assign_adapters(specs: Sequence[RequestSpec], names: Sequence[str], seed: int, start: int = 0) -> None:
     """Set ``spec.model`` of items ``start ..`` of a mix (``specs``, in mix order) to an
     adapter of ``names``, uniformly at random: item ``i`` draws from ``(seed, i)``, a turn
-    of a multi-turn conversation from ``(seed, its conversation)``. Nothing without names."""
+    of a multi-turn conversation (a chat's, or a trace's ``trace_session``) from ``(seed,
+    its conversation)``. Nothing without names."""
     if not names:
         return
     draws: dict[tuple[int, int], np.ndarray] = {}
     for i, spec in enumerate(specs, start):
-        kind, key = (1, int(spec.meta["conversation"])) if "turn" in spec.meta else (0, i)
+        if "turn" in spec.meta:
+            kind, key = 1, int(spec.meta["conversation"])
+        elif "trace_session" in spec.meta:
+            kind, key = 2, int(spec.meta["trace_session"])
+        else:
+            kind, key = 0, i
         block, at = divmod(key, _BLOCK)
         if (kind, block) not in draws:
             rng = np.random.default_rng([seed % 2**64, _STREAM, kind, block])  # any int seed

@@ -2,7 +2,8 @@
 
 - Azure: a CSV of ``TIMESTAMP,ContextTokens,GeneratedTokens`` (timestamps to 100 ns, UTC).
 - Mooncake (FAST'25): JSONL of ``timestamp`` (ms), ``input_length``, ``output_length`` and
-  ``hash_ids`` (the prompt's prefix blocks: requests sharing ids share prefix text).
+  ``hash_ids`` (the prompt's prefix blocks: requests sharing ids share prefix text). Its
+  conversations are not labelled; ``trace_sessions`` recovers them from the blocks.
 
 Rows keep the trace's lengths and arrival times; ``datasets`` makes requests of them.
 """
@@ -14,6 +15,9 @@ import datetime as dt
 import json
 import pathlib
 from dataclasses import dataclass
+from typing import Any, Sequence
+
+BLOCK_TOKENS = 512  # Mooncake's hash block size, tokens (FAST25-release/README.md)
 
 
 @dataclass
@@ -70,3 +74,54 @@ def scale_length(n: int, scale: float, lo: int, hi: int | None) -> int:
     """``round(n * scale)`` clipped to ``[lo, hi]`` (tokens)."""
     v = max(lo, int(round(n * scale)))
     return min(v, hi) if hi is not None else v
+
+
+def trace_sessions(rows: Sequence[TraceRow], block_tokens: int = BLOCK_TOKENS) -> list[list[int]]:
+    """The trace's conversations: lists of row indices, each in turn order, in the order of
+    their first turns; every row is in exactly one (a row without ``hash_ids`` is its own).
+
+    A row continues an earlier one when its prompt starts with all of that row's complete
+    blocks (``input_len // block_tokens`` of its ``hash_ids``: the last, partial block
+    changes once the prompt grows past it), and those blocks reach beyond the prefix every
+    row shares (Mooncake's first block is one system prompt for all). The deepest such row
+    that has no continuation yet is the previous turn; later rows reaching the same turn
+    start conversations of their own (a regenerated answer forks, it does not continue).
+    """
+    common = _common_prefix([r.hash_ids for r in rows if r.hash_ids])
+    trie: dict[Any, Any] = {}  # block id -> node; a node's None key: the row ending there, open for a next turn
+    session_of: list[int] = []
+    sessions: list[list[int]] = []
+    for i, row in enumerate(rows):
+        h = row.hash_ids or []
+        node, prev = trie, None
+        for depth, block in enumerate(h, 1):
+            if block not in node:
+                break
+            node = node[block]
+            if depth > common and node.get(None) is not None:
+                prev = (node, node[None])
+        if prev is None:
+            session_of.append(len(sessions))
+            sessions.append([i])
+        else:
+            prev[0][None] = None  # continued once: a second continuation is a fork
+            session_of.append(session_of[prev[1]])
+            sessions[session_of[prev[1]]].append(i)
+        node = trie
+        for block in h[:row.input_len // block_tokens]:
+            node = node.setdefault(block, {})
+        if node is not trie:
+            node[None] = i
+    return sessions
+
+
+def _common_prefix(ids: list[list[int]]) -> int:
+    """How many leading blocks every list shares."""
+    if not ids:
+        return 0
+    n = min(len(h) for h in ids)
+    first = ids[0]
+    for k in range(n):
+        if any(h[k] != first[k] for h in ids):
+            return k
+    return n

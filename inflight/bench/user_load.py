@@ -81,7 +81,7 @@ class UserLoad:
                 if now >= self.looks[0].start:
                     self.sample_sends.append(now)
                     self._sent.set()
-                sent = with_history(spec, history)
+                sent = spec if conv.history_in_prompt else with_history(spec, history)
                 await self.launch(record, sent)
                 history = [*sent.as_messages(), {"role": "assistant", "content": record.generated_text}]
                 await asyncio.sleep(think_seconds(self.arrival, user, k))

@@ -1,9 +1,11 @@
 """Users as a load: N concurrent sessions replaying conversations, a closed loop.
 
 A user takes the next conversation of the mix (``ConversationSupply``: a multi-turn chat
-mix's conversations, or one request each for any other dataset), sends its first turn,
-and sends turn k + 1, with the whole history (the server's own answers included, so the
-server sees a growing shared prefix), ``think_time`` after turn k's answer ended; after
+mix's conversations, a trace's conversations as its prefix blocks chain them, or one
+request each for any other dataset), sends its first turn, and sends turn k + 1 with the
+whole history ``think_time`` after turn k's answer ended: a chat's history is its earlier
+messages and the server's own answers; a trace turn's prompt holds the history the trace
+recorded (its earlier turns' blocks). Either way the server sees a growing shared prefix. After
 the last turn it thinks once more and starts the next conversation. User ``u`` of ``N``
 starts at ``u x ramp / N``. The arrival rate is the users' own: it falls as the server
 slows down, unlike an open-loop rate (AIPerf's multi-turn sessions with
@@ -71,10 +73,12 @@ def resolved_looks(window: Window, first_end: float, looks: int) -> list[Window]
 
 @dataclass(frozen=True)
 class Conversation:
-    """One session's turns, in order: each turn's own spec (without history)."""
+    """One session's turns, in order: each turn's own spec, without its history, or, with
+    ``history_in_prompt`` (a trace's conversations), with it, to be sent as it is."""
 
     key: int
     turns: tuple[RequestSpec, ...]
+    history_in_prompt: bool = False
 
 
 class MixExhausted(Exception):
@@ -85,8 +89,10 @@ class ConversationSupply:
     """The mix's conversations, handed to users in order; the mix grows as users need more.
 
     A multi-turn chat mix interleaves its conversations in groups (``conversation_slot``),
-    so a conversation is handed out only when the mix holds its group entirely; any other
-    mix is one-request conversations.
+    so a conversation is handed out only when the mix holds its group entirely; a trace mix
+    in sessions (``DatasetConfig.sessions``) holds each conversation's turns one after the
+    other, and one is handed out once the mix holds all its turns; any other mix is
+    one-request conversations.
     """
 
     def __init__(self, session: Session) -> None:
@@ -95,6 +101,7 @@ class ConversationSupply:
         self._lock = asyncio.Lock()
         ds = session.dataset
         self._turns = ds.conversation_turns if ds.name == "chat" else 1
+        self._trace_sessions = ds.name == "trace" and ds.sessions
         self._group = self._turns * ds.active_conversations if self._turns > 1 else 1
         self._grouped: tuple[int, list[Conversation]] = (-1, [])  # (mix length, its conversations)
 
@@ -104,7 +111,9 @@ class ConversationSupply:
         specs = self.session.specs
         if self._grouped[0] == len(specs):
             return self._grouped[1]
-        if self._turns == 1:
+        if self._trace_sessions:
+            convs = _trace_conversations(specs)
+        elif self._turns == 1:
             convs = [Conversation(i, (s,)) for i, s in enumerate(specs)]
         else:
             whole = len(specs) // self._group * self._group
@@ -148,3 +157,12 @@ class ConversationSupply:
         """``n`` requests rounded up to whole conversation groups, at least one more group."""
         have = len(self.session.specs)
         return max(-(-n // self._group), have // self._group + 1) * self._group
+
+
+def _trace_conversations(specs: Sequence[RequestSpec]) -> list[Conversation]:
+    """The complete conversations of a trace mix in sessions: runs of ``trace_turns`` specs."""
+    convs, i = [], 0
+    while i < len(specs) and i + (n := specs[i].meta["trace_turns"]) <= len(specs):
+        convs.append(Conversation(specs[i].meta["trace_session"], tuple(specs[i: i + n]), history_in_prompt=True))
+        i += n
+    return convs

@@ -139,3 +139,32 @@ def test_each_tier_is_predicted_for_its_own_targets(bundled_model_path, tmp_path
     doc = json.loads(out.read_text())
     assert [r["curve"][0]["x"] for r in doc["results"]] == [3, 5]
     assert [(r["users"], r["failed_at"]) for r in doc["tiers"]] == [(2, 3), (4, 5)]
+
+
+def test_users_replay_a_traces_conversations_turn_by_turn(bundled_model_path, tmp_path):
+    """Mooncake's conversations (chained by their prefix blocks) as users: each user sends a
+    conversation's turns in order, each prompt as the trace recorded it, so follow-ups
+    find their earlier turns' blocks in the prefix cache."""
+    prof = _profile(tmp_path / "p.json", bundled_model_path, 0.02, 0.002)
+    out = tmp_path / "users.json"
+    rc = main(["bench", "serve", "--simulate", str(prof), *FLAGS, "--dataset", "trace",
+               "--trace-file", "mooncake_conversation_0-30min.jsonl", "--length-scale", "0.0625",
+               "--max-input-len", "512", "--max-output-len", "8", "--users", "4", "--think-time", "0.2",
+               "--duration", "20", "--save-result", str(out), "--serve-cmd", "inflight serve --max-num-seqs 8"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    by_user = defaultdict(list)
+    for r in doc["requests"]:
+        by_user[r["user"]].append(r)
+    follow_ups = 0
+    for rs in by_user.values():
+        rs.sort(key=lambda r: r["send_time"])
+        for prev, nxt in zip(rs, rs[1:]):
+            if prev["turn"] + 1 < prev["turns"]:
+                assert (nxt["conversation"], nxt["turn"], nxt["turns"]) == (prev["conversation"], prev["turn"] + 1,
+                                                                            prev["turns"])
+                follow_ups += 1
+            else:
+                assert nxt["turn"] == 0 and nxt["conversation"] != prev["conversation"]
+    assert follow_ups >= 4
+    assert doc["summary"]["users"]["prefix_cache_hit_rate"] > 0.2
