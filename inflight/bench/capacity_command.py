@@ -38,9 +38,11 @@ async def capacity(run: Run) -> int:
                 found = await _per_tier(run, _once(connect), value, predict)
             else:
                 found = [await find_limit(connect, plan.base, plan.slo, space, th, label=value, predictor=predict)]
-        for res in found:
+        for k, res in enumerate(found):
             res.command = command
-            print(("SIMULATED " if run.simulated else "") + limit_line(res, space.by_scale, space.unit))
+            name = None if not config.tiers else ("" if value is None else f"value={value}, ") + \
+                f"tier {config.tiers[k].name}"
+            print(("SIMULATED " if run.simulated else "") + limit_line(res, space.by_scale, space.unit, name))
         results += found
     doc: dict[str, Any] = {
         **header(config, "capacity"), "simulated": run.simulated,

@@ -361,11 +361,12 @@ def p95_line(summary: dict[str, Any]) -> str:
             f"{'-' if tput is None else f'{tput:.1f}'} output tok/s")
 
 
-def limit_line(res: LimitResult, by_scale: bool, unit: str | None = None) -> str:
+def limit_line(res: LimitResult, by_scale: bool, unit: str | None = None, name: str | None = None) -> str:
     """One printable line: the limit, its spread over repeats, the bracket above it
-    (``unit``: the search's, where not req/s or time scale)."""
+    (``unit``: the search's, where not req/s or time scale; ``name``: what the result is
+    of, default ``value=<label>``)."""
     unit = unit or ("time scale" if by_scale else "req/s")
-    head = f"value={res.label}: " if res.label is not None else ""
+    head = f"{name}: " if name else f"value={res.label}: " if res.label is not None else ""
     sp = res.spread
     shed = shed_note(res.curve)
     why = f"; {shed}" if shed else ""

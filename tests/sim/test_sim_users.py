@@ -73,7 +73,7 @@ def test_users_think_then_send_the_next_turn_with_its_history(bundled_model_path
     assert users["prefix_cache_hit_rate"] > 0.2  # follow-ups reuse their history's blocks
 
 
-def test_the_users_sustained_per_tier_below_one_request_a_second(bundled_model_path, tmp_path, monkeypatch):
+def test_the_users_sustained_per_tier_below_one_request_a_second(bundled_model_path, tmp_path, monkeypatch, capsys):
     """A slow model (0.25 s a step plus 0.02 s a row), 16 output tokens, no think time: N
     users keep at most N rows in a decode step and at least 16/18 of that (between two
     requests a user's answer is delivered and its next request reaches the queue, joining
@@ -108,6 +108,10 @@ def test_the_users_sustained_per_tier_below_one_request_a_second(bundled_model_p
     assert second == [(2, False), (4, False), (8, False), (6, False), (5, False), (4, True)]
     assert measured == [(1, False), (2, False), (4, False), (3, False), (2, True), (8, False), (6, False),
                         (5, False), (4, True)]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "operating limit" in ln]
+    assert [ln.split(": operating limit held ")[1].split(" (")[0] for ln in lines] == ["2 users", "4 users"]
+    assert [ln.split(":")[0] for ln in lines] == ["SIMULATED tier 3.378 tok/s per user, TTFT <= 30 s",
+                                                  "SIMULATED tier 2.994 tok/s per user, TTFT <= 30 s"]
 
 
 def test_each_tier_is_predicted_for_its_own_targets(bundled_model_path, tmp_path, monkeypatch):
