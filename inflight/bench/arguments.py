@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import signal
 import sys
@@ -23,7 +22,7 @@ from inflight.bench.arrivals import PROCESSES
 from inflight.bench.capacity_command import capacity
 from inflight.bench.client import event_loop_factory
 from inflight.bench.confidence import DEFAULT_CONFIDENCE
-from inflight.bench.configure import bench_config
+from inflight.bench.configure import RATE_DEFAULTS, bench_config
 from inflight.bench.connect import Run
 from inflight.bench.datasets import BUILDERS, DatasetConfig, default_data_dir
 from inflight.bench.simulation import Simulator
@@ -50,7 +49,10 @@ def _rate(text: str) -> float:
 def _count(minimum: int) -> Callable[[str], int]:
     """An int flag of at least ``minimum``: argparse names the flag in its error."""
     def parse(text: str) -> int:
-        v = int(text)
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if v < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}")
         return v
@@ -169,11 +171,13 @@ def _dataset_flags(p: argparse.ArgumentParser) -> None:
 
 def _arrival_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("arrivals")
-    g.add_argument("--arrival", choices=PROCESSES, default=None,
+    g.add_argument("--arrival", choices=PROCESSES, default=RATE_DEFAULTS["arrival"],
                    help="default poisson; gamma when --burstiness is not 1, as vLLM")
-    g.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s; inf = all at once")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson; <1 burstier)")
-    g.add_argument("--time-scale", type=float, default=1.0,
+    g.add_argument("--request-rate", type=_rate, default=RATE_DEFAULTS["request_rate"],
+                   help="requests/s; inf = all at once")
+    g.add_argument("--burstiness", type=float, default=RATE_DEFAULTS["burstiness"],
+                   help="gamma shape (1 = Poisson; <1 burstier)")
+    g.add_argument("--time-scale", type=float, default=RATE_DEFAULTS["time_scale"],
                    help="trace: multiplies trace times (2 = half the rate)")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     g.add_argument("--users", type=_count(1), default=None, metavar="N",
@@ -181,7 +185,8 @@ def _arrival_flags(p: argparse.ArgumentParser) -> None:
                         "--duration; capacity: search the users sustained, starting at N)")
     g.add_argument("--think-time", type=float, default=0.0, metavar="S",
                    help="--users: seconds between an answer's end and the user's next turn (mean)")
-    g.add_argument("--think-time-distribution", choices=THINK_DISTRIBUTIONS, default="constant")
+    g.add_argument("--think-time-distribution", choices=THINK_DISTRIBUTIONS, default=None,
+                   help="--users: how think times are drawn (default constant)")
     g.add_argument("--ramp-duration", "--concurrency-ramp-duration", dest="ramp_duration", type=float,
                    default=None, metavar="S", help="--users: the users start evenly over S s (default: half "
                                                    "the warm-up)")
@@ -301,13 +306,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 def _search_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search")
-    g.add_argument("--rate-start", type=_rate, default=1.0, help="first rate tried (req/s)")
-    g.add_argument("--rate-min", type=_rate, default=0.05)
-    g.add_argument("--rate-max", type=_rate, default=1000.0)
+    g.add_argument("--rate-start", type=_rate, default=RATE_DEFAULTS["rate_start"], help="first rate tried (req/s)")
+    g.add_argument("--rate-min", type=_rate, default=RATE_DEFAULTS["rate_min"])
+    g.add_argument("--rate-max", type=_rate, default=RATE_DEFAULTS["rate_max"])
     g.add_argument("--time-scale-min", type=_rate, default=0.001, help="--arrival trace: smallest time scale")
     g.add_argument("--time-scale-max", type=_rate, default=1000.0, help="--arrival trace: largest time scale")
-    g.add_argument("--users-min", type=_count(1), default=1, help="--users: fewest users tried")
-    g.add_argument("--users-max", type=_count(1), default=4096, help="--users: most users tried")
+    g.add_argument("--users-min", type=_count(1), default=None, help="--users: fewest users tried (default 1)")
+    g.add_argument("--users-max", type=_count(1), default=None, help="--users: most users tried (default 4096)")
     g.add_argument("--slo-tiers", type=_tiers, default=None, metavar="TOK_S:TTFT,...",
                    help="--users: the users sustained per tier, each a per-user output speed floor and a TTFT "
                         "ceiling (tpot_p95 <= 1/speed, ttft_p95 <= TTFT), e.g. 10:2s,30:1s")

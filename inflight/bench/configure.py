@@ -4,6 +4,7 @@ below this module nothing sees an argparse Namespace."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import fields
 from typing import Any
@@ -118,6 +119,7 @@ def _lora(args: argparse.Namespace) -> LoraModules:
 
 
 def _dataset(args: argparse.Namespace, r: Resolved, lora: LoraModules) -> DatasetConfig:
+    users = getattr(args, "users", None) is not None
     if args.shuffle and r.arrival == "trace":
         raise ValueError("--shuffle would scramble the trace's arrival times; it needs a rate (--arrival poisson ...)")
     shuffle = args.shuffle if args.shuffle is not None else (r.dataset == "trace" and r.arrival != "trace")
@@ -130,14 +132,14 @@ def _dataset(args: argparse.Namespace, r: Resolved, lora: LoraModules) -> Datase
                             min_output_len=args.min_output_len, max_output_len=args.max_output_len,
                             prefix_blocks=args.prefix_blocks, chat_file=r.chat_file, sonnet_file=r.sonnet_file,
                             ignore_eos=args.ignore_eos, shuffle=shuffle, lora_modules=lora.names,
-                            sessions=r.dataset == "trace" and getattr(args, "users", None) is not None,
+                            sessions=r.dataset == "trace" and users,
                             conversation_turns=args.conversation_turns,
                             active_conversations=args.active_conversations or DatasetConfig.active_conversations)
     if args.conversation_turns > 1 and r.dataset != "chat":
         raise ValueError("--conversation-turns replays multi-turn chats: it needs --dataset chat")
     if args.active_conversations is not None and args.conversation_turns == 1:
         raise ValueError("--active-conversations shapes a multi-turn replay: it needs --conversation-turns > 1")
-    if dataset.conversation_turns > 1 and dataset.num_prompts <= dataset.active_conversations:
+    if dataset.conversation_turns > 1 and dataset.num_prompts <= dataset.active_conversations and not users:
         print(f"note: the first {dataset.active_conversations} requests of the mix are first turns "
               f"(--active-conversations); with --num-prompts {dataset.num_prompts} no follow-up "
               f"turn is sent unless a measurement window extends the mix", file=sys.stderr)
@@ -165,13 +167,24 @@ def _arrival(args: argparse.Namespace, r: Resolved, command: str, slo: SLO) -> A
         _check_users(args, r, duration)
         # A tier's p95s need the sample of one, whatever --slo holds.
         min_requests = max(min_requests, n_min_for("p95", args.confidence))
-    elif args.think_time or args.ramp_duration is not None:
-        raise ValueError("--think-time and --ramp-duration shape closed-loop users: they need --users N")
+    else:
+        given = [flag for flag, v in (("--think-time", args.think_time), ("--ramp-duration", args.ramp_duration),
+                                      ("--think-time-distribution", args.think_time_distribution),
+                                      ("--users-min", getattr(args, "users_min", None)),
+                                      ("--users-max", getattr(args, "users_max", None))) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape closed-loop users: they need --users N")
     return ArrivalConfig(process=r.arrival, rate=args.request_rate, burstiness=args.burstiness,
                          time_scale=args.time_scale, seed=args.seed, duration=duration,
                          warmup_duration=args.warmup_duration, drain_timeout=args.drain_timeout,
                          min_requests=min_requests, users=args.users, think_time=args.think_time,
-                         think_distribution=args.think_time_distribution, ramp_duration=args.ramp_duration)
+                         think_distribution=args.think_time_distribution or "constant",
+                         ramp_duration=args.ramp_duration)
+
+
+# The defaults of the flags that set (serve) or search (capacity) a request rate.
+RATE_DEFAULTS: dict[str, Any] = {"arrival": None, "request_rate": math.inf, "burstiness": 1.0, "time_scale": 1.0,
+                                 "rate_start": 1.0, "rate_min": 0.05, "rate_max": 1000.0}
 
 
 def _check_users(args: argparse.Namespace, r: Resolved, duration: float | None) -> None:
@@ -182,6 +195,15 @@ def _check_users(args: argparse.Namespace, r: Resolved, duration: float | None) 
                          "(no --arrival trace or --max-concurrency)")
     if args.think_time < 0 or (args.ramp_duration is not None and args.ramp_duration < 0):
         raise ValueError("--think-time and --ramp-duration must be >= 0")
+    # The users set the load: a flag that sets or searches a rate would be silently ignored.
+    rate_flags = ["--" + k.replace("_", "-") for k, v in RATE_DEFAULTS.items() if getattr(args, k, v) != v]
+    if rate_flags:
+        raise ValueError(f"{', '.join(rate_flags)} set or search a request rate; with --users the users' think "
+                         f"times and the server's speed set it (search users with --users-min / --users-max)")
+    lo, hi = getattr(args, "users_min", None) or 1, getattr(args, "users_max", None) or 4096
+    if not lo <= args.users <= hi:
+        raise ValueError(f"--users {args.users} is the first count tried: it must lie within --users-min {lo} "
+                         f"and --users-max {hi}")
 
 
 def _thresholds(args: argparse.Namespace) -> Thresholds:
@@ -211,7 +233,7 @@ def search_space(args: argparse.Namespace, base: ArrivalConfig) -> SearchSpace:
                                   hold_duration=hold or None, max_holds=args.max_holds,
                                   max_extensions=args.max_extensions)
     if base.users:
-        return SearchSpace(False, base.users, args.users_min, max(args.users_max, base.users), users=True, **common)
+        return SearchSpace(False, base.users, args.users_min or 1, args.users_max or 4096, users=True, **common)
     if base.process == "trace":
         return SearchSpace(True, 1 / base.time_scale, 1 / args.time_scale_max, 1 / args.time_scale_min, **common)
     return SearchSpace(False, args.rate_start, args.rate_min, args.rate_max, **common)

@@ -30,7 +30,6 @@ exact only when that counter is (server ``/tokenize`` or a local tokenizer).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pathlib
 from dataclasses import asdict, dataclass, field
@@ -38,6 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from inflight.bench.chat_files import ChatLine, load_chat_file
 from inflight.bench.lora_modules import assign_adapters
 from inflight.bench.prompts import FittedPrompt, TokenCounter, fit_prompt
 from inflight.bench.trace_files import BLOCK_TOKENS, TraceRow, load_trace, scale_length, trace_sessions
@@ -304,11 +304,8 @@ async def _block_prompt(counter: TokenCounter, blocks: _BlockTexts, hash_ids: li
     return await fit_prompt(counter, blocks.words(tail_id, in_len + 16), in_len, prefix=prefix)
 
 
-def _load_chat(cfg: DatasetConfig) -> list[dict[str, Any]]:
-    name = CHAT_FILES.get(cfg.chat_file, cfg.chat_file)
-    path = _resolve(name, cfg.resolved_data_dir())
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+def _load_chat(cfg: DatasetConfig) -> list[ChatLine]:
+    return load_chat_file(_resolve(CHAT_FILES.get(cfg.chat_file, cfg.chat_file), cfg.resolved_data_dir()))
 
 
 async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int, start: int = 0) -> list[RequestSpec]:
@@ -319,26 +316,19 @@ async def build_chat(cfg: DatasetConfig, counter: TokenCounter, n: int, start: i
         if cfg.conversation_turns > 1:
             conv, turn = conversation_slot(i, cfg.conversation_turns, cfg.active_conversations, cfg.seed)
             q = questions[int(order[conv % len(order)])]
-            turns = _user_turns(q)
-            if turn < len(turns):
-                text = turns[turn]
+            if turn < len(q.turns):
+                text = q.turns[turn]
             else:  # a follow-up the file does not have: another question's first turn
                 other = questions[int(np.random.default_rng([cfg.seed, conv, turn]).integers(len(questions)))]
-                text = _user_turns(other)[0]
-            meta = {"question_id": q.get("question_id"), "category": q.get("category"),
-                    "conversation": conv, "turn": turn}
+                text = other.turns[0]
+            meta = {"question_id": q.question_id, "category": q.category, "conversation": conv, "turn": turn}
         else:
             q = questions[int(order[i % len(order)])]
-            text = _user_turns(q)[0]
-            meta = {"question_id": q.get("question_id"), "category": q.get("category")}
+            text = q.turns[0]
+            meta = {"question_id": q.question_id, "category": q.category}
         specs.append(RequestSpec(text, [{"role": "user", "content": text}], None, cfg.output_len,
                                  cfg.effective_ignore_eos(), meta=meta))
     return specs
-
-
-def _user_turns(q: dict[str, Any]) -> list[str]:
-    """A chat file line's user turns: MT-Bench's ``turns``, or vLLM's custom JSONL ``prompt``."""
-    return q["turns"] if "turns" in q else [q["prompt"]]
 
 
 def conversation_slot(index: int, turns: int, active: int, seed: int = 0) -> tuple[int, int]:

@@ -220,7 +220,11 @@ class _PointRun:
         """Take the looks in turn until one decides the point (or the last); cancel what is
         still running; phase the records by that look's window. Returns the end time (s)."""
         for k in range(len(self.looks)):
-            await self.sent_past[k].wait()
+            waiter = asyncio.create_task(self.sent_past[k].wait())
+            await asyncio.wait({waiter, send_task}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if send_task.done() and not send_task.cancelled() and send_task.exception() is not None:
+                break  # raised below
             w = self.looks[k]  # users resolve the looks as the point runs
             sample = [t for t, r in zip(self.tasks, self.records) if w.start <= r.scheduled_time < w.end]
             left = w.deadline - self.clock()
@@ -241,7 +245,9 @@ class _PointRun:
         send_task.cancel()
         for t in self.tasks:
             t.cancel()  # a no-op on finished tasks; cancels the unfinished and the cool-down
-        await asyncio.gather(send_task, *self.tasks, return_exceptions=True)
+        sent = await asyncio.gather(send_task, *self.tasks, return_exceptions=True)
+        if isinstance(sent[0], Exception):  # the sender failed (a user's turn could not be built): say so
+            raise sent[0]
         assert self.window is not None
         for r in self.records:
             r.phase = self.window.phase(r.scheduled_time)

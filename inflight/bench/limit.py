@@ -385,7 +385,8 @@ def limit_line(res: LimitResult, by_scale: bool, unit: str | None = None, name: 
     line = (f"{head}operating limit{held} {sp['mean']:.4g} {unit} (std {sp['std']:.3g}, min {sp['min']:.4g}, "
             f"max {sp['max']:.4g} over {sp['found']}/{sp['repeats']} repeats{bracket}){bound}")
     cross = crossings(res.curve, res.targets)
-    parts = [f"{k} at {c['x']:.4g}" if c.get("x") is not None else f"{k} {c['where']}" for k, c in cross.items()]
+    parts = [f"{k} at {c['x']:.4g} {unit}" if c.get("x") is not None else f"{k} {c['where']}"
+             for k, c in cross.items()]
     if parts:
         line += "; targets crossed: " + ", ".join(parts)
     if res.prediction is not None and res.prediction.limit is not None:

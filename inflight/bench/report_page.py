@@ -53,12 +53,17 @@ def _workload_lines(doc: Json, fixed: Json) -> list[str]:
         if st:
             out.append(f"- {label}: mean {st['mean']:.1f}, median {st['median']:.0f}, min {st['min']}, max {st['max']}")
     proc = arr.get("process")
-    out.append(f"- arrivals: {proc}" + (" (the trace's own times, scaled)" if proc == "trace" else "")
-               + (f", burstiness {arr.get('burstiness')}" if proc == "gamma" else "") + f", seed {arr.get('seed')}")
+    if arr.get("users"):  # a closed loop: the users' think times set the arrivals
+        out.append(f"- arrivals: closed-loop users, each turn {arr.get('think_distribution')} think time "
+                   f"{arr.get('think_time'):g} s after the last answer, seed {arr.get('seed')}")
+    else:
+        out.append(f"- arrivals: {proc}" + (" (the trace's own times, scaled)" if proc == "trace" else "")
+                   + (f", burstiness {arr.get('burstiness')}" if proc == "gamma" else "") + f", seed {arr.get('seed')}")
     if arr.get("duration"):
+        after = "the users go on" if arr.get("users") else "cool-down arrivals"
         out.append(f"- each point: {arr.get('warmup_duration'):g} s warm-up (uncounted), a window of at least "
-                   f"{arr['duration']:g} s and {arr.get('min_requests')} requests (the sample), then cool-down "
-                   f"arrivals until the sample ends or {arr.get('drain_timeout'):g} s pass")
+                   f"{arr['duration']:g} s and {arr.get('min_requests')} requests (the sample), then {after} "
+                   f"until the sample ends or {arr.get('drain_timeout'):g} s pass")
     return out
 
 
@@ -306,7 +311,7 @@ def _pass_rule_lines(r: _Report) -> list[str]:
     """The SLO targets and the rules a point passed by (``sustain``), with the run's thresholds."""
     th = r.doc.get("thresholds") or {}
     lines = ["## SLO and what a pass needs", "",
-             f"- targets: {', '.join(f'{k} <= {v:g} s' for k, v in r.slo.items())}",
+             f"- targets: {', '.join(f'{k} <= {v:g} s' for k, v in r.slo.items()) or 'per tier (below)'}",
              f"- each statistic's {th.get('confidence', 0.95):.0%} confidence interval must lie within its target "
              "(order-statistic interval per request; ITL, pooled over requests, by cluster bootstrap)",
              f"- completed >= {th.get('rate_tolerance')} x offered over the window; in-flight growth over the "

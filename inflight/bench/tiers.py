@@ -9,6 +9,8 @@ run's other ``--slo`` targets and replaces those two.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -40,9 +42,12 @@ class SloTier:
 
 def parse_tiers(text: str) -> tuple[SloTier, ...]:
     """``"10:2s,30:1s"`` -> tiers (output tok/s per user : TTFT ceiling, seconds or with ``ms``).
-    ValueError on anything else, or a value not above 0."""
-    tiers = []
+    ValueError on anything else: an empty item, a value not finite and above 0, or a
+    tier named twice."""
+    tiers: list[SloTier] = []
     for part in text.split(","):
+        if not part.strip() and text.strip():
+            raise ValueError(f"--slo-tiers {text!r} has an empty item (e.g. 10:2s,30:1s)")
         if not part.strip():
             continue
         speed, sep, ttft = part.partition(":")
@@ -50,9 +55,11 @@ def parse_tiers(text: str) -> tuple[SloTier, ...]:
             tier = SloTier(float(speed), parse_duration(ttft)) if sep else None
         except ValueError:
             tier = None
-        if tier is None or not (tier.speed > 0 and tier.ttft > 0):
-            raise ValueError(f"bad SLO tier {part.strip()!r}: expected TOK_PER_S:TTFT with both > 0, "
+        if tier is None or not (0 < tier.speed < math.inf and 0 < tier.ttft < math.inf):
+            raise ValueError(f"bad SLO tier {part.strip()!r}: expected TOK_PER_S:TTFT, both finite and > 0, "
                              f"e.g. 10:2s (10 tok/s per user, TTFT <= 2 s)")
+        if tier in tiers:
+            raise ValueError(f"--slo-tiers names {part.strip()!r} twice")
         tiers.append(tier)
     if not tiers:
         raise ValueError("--slo-tiers names no tier (e.g. 10:2s,30:1s)")

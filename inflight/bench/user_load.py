@@ -39,14 +39,21 @@ class UserLoad:
         self._next_index = 0
 
     async def run(self, sent_past: list[asyncio.Event]) -> None:
+        """Run the users and resolve the looks until cancelled. A user stops only by an
+        error (its mix ran out, a turn could not be built): that error is raised here, at
+        once, rather than leaving the looks waiting for sends that will not come."""
         users = [asyncio.create_task(self._user(u)) for u in range(self.arrival.users or 0)]
+        resolve = asyncio.create_task(self._resolve(sent_past))
+        pending: set[asyncio.Task[None]] = {resolve, *users}
         try:
-            await self._resolve(sent_past)
-            await asyncio.gather(*users)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()
         finally:
-            for t in users:
+            for t in (resolve, *users):
                 t.cancel()
-            await asyncio.gather(*users, return_exceptions=True)
+            await asyncio.gather(resolve, *users, return_exceptions=True)
             for e in sent_past:  # whatever ends the users, no look may wait forever
                 e.set()
 

@@ -53,7 +53,7 @@ def test_tiers_are_a_speed_floor_and_a_ttft_ceiling_at_p95():
     base = SLO({"e2e": 30.0}, {("ttft", "p95"): 9.0, ("e2e", "p99"): 20.0})
     assert slow.slo(base).aggregate == {("e2e", "p99"): 20.0, ("tpot", "p95"): 0.1, ("ttft", "p95"): 2.0}
     assert fast.slo(base).aggregate[("ttft", "p95")] == 0.5 and fast.slo(base).per_request == {"e2e": 30.0}
-    for bad in ("10", "0:1", "10:-1", "a:1", ""):
+    for bad in ("10", "0:1", "10:-1", "a:1", "", "inf:2s", "nan:1", "10:inf", "10:2s,10:2000ms", "10:2s,,30:1s"):
         with pytest.raises(ValueError):
             parse_tiers(bad)
 
@@ -146,6 +146,34 @@ def test_users_send_each_turn_with_its_history_after_the_answer(fake_server, dat
     assert point.summary["users"]["output_speed_per_user"]["n"] > 0
 
 
+def test_a_user_that_fails_ends_the_point_with_its_error(fake_server, data_dir, monkeypatch):
+    """A user stops only by an error (here its second conversation cannot be taken): the
+    point raises that error at once, instead of waiting for sends that never come."""
+    async def plan(body: dict, index: int) -> Plan:
+        return Plan(ttft=0.02, gaps=[0.0])
+
+    srv = fake_server(ServerState(plan=plan))
+    taken = []
+    real = ConversationSupply.take
+
+    async def take(self):
+        if taken:
+            raise RuntimeError("no conversation left")
+        taken.append(1)
+        return await real(self)
+    monkeypatch.setattr(ConversationSupply, "take", take)
+    ds = DatasetConfig(name="chat", num_prompts=4, output_len=2, data_dir=str(data_dir))
+    arrival = ArrivalConfig(users=2, duration=30.0, warmup_duration=0.2, drain_timeout=5.0, min_requests=50)
+
+    async def run():
+        async with make_client() as client:
+            session = await open_session(LoadConfig(base_url=srv.base_url, progress=False), ds, client)
+            return await asyncio.wait_for(run_point(session, arrival), 10)
+
+    with pytest.raises(RuntimeError, match="no conversation left"):
+        asyncio.run(run())
+
+
 @pytest.mark.parametrize("flags, message", [
     (["serve", "--users", "4"], "give --duration"),
     (["serve", "--think-time", "2"], "need --users N"),
@@ -153,6 +181,15 @@ def test_users_send_each_turn_with_its_history_after_the_answer(fake_server, dat
     (["sweep", "--users", "4", "--duration", "30", "--request-rates", "1,2"], "bench sweep varies"),
     (["capacity", "--slo-tiers", "10:2s"], "needs bench capacity --users"),
     (["capacity", "--users", "2", "--slo-tiers", "10"], "TOK_PER_S:TTFT"),
+    (["serve", "--users", "2", "--duration", "5", "--request-rate", "3"], "--request-rate set or search a request"),
+    (["serve", "--users", "2", "--duration", "5", "--arrival", "gamma", "--burstiness", "0.5"],
+     "--arrival, --burstiness set or search"),
+    (["capacity", "--users", "2", "--rate-start", "3", "--slo-tiers", "10:2s"], "--rate-start set or search"),
+    (["serve", "--think-time-distribution", "exponential"], "--think-time-distribution shape closed-loop users"),
+    (["capacity", "--users-max", "10", "--slo", "ttft_p95=1"], "--users-max shape closed-loop users"),
+    (["capacity", "--users", "100", "--users-max", "10", "--slo-tiers", "10:2s"], "must lie within"),
+    (["capacity", "--users", "8", "--users-min", "10", "--users-max", "4", "--slo-tiers", "10:2s"], "must lie within"),
+    (["serve", "--users", "2.5"], "'2.5' is not a whole number"),
 ])
 def test_user_flags_are_refused_where_they_mean_nothing(flags, message, capsys):
     from inflight.bench.__main__ import main as bench_main
